@@ -1,0 +1,48 @@
+# Cactus speculative-decoding server. `make test` and `make serve` set everything up.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.stamp-$(shell cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -c1-16)
+CACHE := $(CURDIR)/.cache
+export HF_HUB_OFFLINE := 1
+export DS_ACCELERATOR := cpu
+export DS_BUILD_OPS := 0
+export RAY_AUTH_MODE := disabled
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
+export TOKENIZERS_PARALLELISM := false
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint format bench-kernels clean
+
+setup: $(STAMP)
+
+# The stamp is keyed on the pinned requirements: a second run skips the install,
+# a changed pin reinstalls. torch goes first so deepspeed builds against it.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet $$(grep -E '^torch==' requirements.txt)
+	$(PIP) install --quiet --no-build-isolation -r requirements.txt -r requirements-dev.txt
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	@rm -f $(VENV)/.stamp-*
+	@touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench-kernels: setup
+	$(PY) -m benchmarks.bench_kernels
+
+clean:
+	rm -rf $(VENV) $(CACHE) .pytest_cache

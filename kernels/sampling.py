@@ -1,0 +1,154 @@
+"""Logits -> processed probabilities, and sampling rows with explicit randomness.
+
+Both the draft and the verifier go through `processed_probs` with the SAME per-request
+parameters (temperature, top_k, top_p), so the acceptance rules compare like with like
+(../shared/spec/acceptance.md, "Sampling processing"). Order follows vLLM: temperature,
+then top-k, then top-p. Probabilities are float32 even when the model runs in bf16;
+uniforms are float64.
+
+Randomness is explicit: a row is sampled by inverse CDF from ONE float64 uniform, drawn
+from that row's own `torch.Generator`. A seeded request therefore samples the same
+tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# Rows are sampled by a two-level inverse CDF: float64 sums of fixed-size blocks, then
+# a cumulative sum inside the one chosen block. One pass over [B, V], no [B, V] float64
+# cumsum (V = 151936 made that the slowest step of a Cactus step on CPU).
+SAMPLE_BLOCK = 1024
+
+
+def _per_row(value: float | torch.Tensor, rows: int, *, dtype, device) -> torch.Tensor:
+    """A scalar or [rows] tensor as a [rows] tensor."""
+    t = torch.as_tensor(value, dtype=dtype, device=device)
+    return t.expand(rows) if t.dim() == 0 else t
+
+
+def processed_probs(
+    logits: torch.Tensor,  # [B, ..., V]
+    *,
+    temperature: float | torch.Tensor = 1.0,  # scalar or [B]; 0 = greedy
+    top_k: int | torch.Tensor = 0,  # scalar or [B]; 0 or -1 = off
+    top_p: float | torch.Tensor = 1.0,  # scalar or [B]; in (0, 1]
+) -> torch.Tensor:  # [B, ..., V] float32
+    """Turn logits into the distribution a request samples from.
+
+    Temperature 0 gives a one-hot row at the argmax (greedy). top_p keeps the smallest
+    prefix of the sorted probabilities whose sum reaches top_p.
+    """
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    flat = logits.reshape(batch, -1, vocab).float()  # [B, R, V]
+    dev = flat.device
+    temp = _per_row(temperature, batch, dtype=torch.float32, device=dev)
+    k = _per_row(top_k, batch, dtype=torch.int64, device=dev)
+    p = _per_row(top_p, batch, dtype=torch.float32, device=dev)
+    # Whether any row truncates is decided on the host copy of the request parameters
+    # (they come from request objects), so the common no-truncation case skips the sort
+    # without a device sync.
+    host_k = torch.as_tensor(top_k).cpu()
+    host_p = torch.as_tensor(top_p).cpu()
+    truncate = bool((((host_k > 0) & (host_k < vocab)) | (host_p < 1.0)).any())
+
+    greedy = temp <= 0  # [B]
+    safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
+    scaled = flat / safe_temp[:, None, None]
+    probs = _truncate(scaled, top_k=k, top_p=p) if truncate else torch.softmax(scaled, dim=-1)
+    one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
+    probs = torch.where(greedy[:, None, None], one_hot, probs)
+    return probs.reshape(logits.shape)
+
+
+def _truncate(scaled: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Softmax with top-k then top-p masking. scaled: [B, R, V] -> probs [B, R, V]."""
+    vocab = scaled.shape[-1]
+    k_on = (top_k > 0) & (top_k < vocab)  # [B]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, R, V]
+    rank = torch.arange(vocab, device=scaled.device)
+    k_eff = torch.where(k_on, top_k, torch.full_like(top_k, vocab))
+    keep = rank[None, None, :] < k_eff[:, None, None]
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep token i if the mass strictly before it is below top_p: the smallest prefix
+    # whose sum is >= top_p. The first token is always kept.
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_p = (mass_before < top_p[:, None, None]) | (rank[None, None, :] == 0)
+    sorted_logits = sorted_logits.masked_fill(~keep_p, float("-inf"))
+    masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.softmax(masked, dim=-1)
+
+
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None],
+    columns: int,
+    *,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:  # [B, columns] float64 in [0, 1)
+    """One row of float64 uniforms per request, each from that request's generator.
+
+    A request without a generator (None) draws from torch's default generator.
+    """
+    rows = [
+        torch.rand(columns, dtype=torch.float64, generator=g, device=_gen_device(g, device))
+        for g in generators
+    ]
+    if not rows:
+        return torch.empty(0, columns, dtype=torch.float64, device=device)
+    return torch.stack(rows).to(device)
+
+
+def _gen_device(generator: torch.Generator | None, default) -> torch.device | str:
+    return generator.device if generator is not None else default
+
+
+def inverse_cdf_sample(
+    weights: torch.Tensor,  # [B, V] non-negative, rows need not be normalised
+    uniforms: torch.Tensor,  # [B] float64 in [0, 1)
+) -> torch.Tensor:  # [B] int64
+    """Sample index x of each row with probability weights[x] / sum(weights).
+
+    Returns the first index whose running sum exceeds u * total, so a zero-weight index
+    is never returned while the row has positive mass. Accumulation is float64.
+    """
+    batch, vocab = weights.shape
+    pad = (-vocab) % SAMPLE_BLOCK
+    padded = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
+    blocks = padded.reshape(batch, -1, SAMPLE_BLOCK)  # [B, NB, BLOCK]
+    block_sums = blocks.sum(-1, dtype=torch.float64)  # [B, NB]
+    block_cdf = block_sums.cumsum(-1)  # [B, NB]
+    target = uniforms.to(torch.float64) * block_cdf[:, -1]  # [B]
+    # First block whose cumulative mass exceeds the target.
+    blk = torch.searchsorted(block_cdf, target[:, None], right=True).squeeze(-1)
+    blk = blk.clamp_(max=block_cdf.shape[1] - 1)
+    before = torch.where(blk > 0, block_cdf.gather(-1, (blk - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = blocks.gather(1, blk[:, None, None].expand(-1, 1, SAMPLE_BLOCK))[:, 0]  # [B, BLOCK]
+    inner_cdf = inner.to(torch.float64).cumsum(-1) + before[:, None]
+    pos = torch.searchsorted(inner_cdf, target[:, None], right=True).squeeze(-1)
+    # Rounding can leave the target at/after the block's last cdf value: step back to the
+    # last positive-weight index of the block so we never land on padding or a zero.
+    last_pos = _last_positive(inner)
+    pos = torch.minimum(pos, last_pos)
+    return (blk * SAMPLE_BLOCK + pos).to(torch.int64)
+
+
+def _last_positive(rows: torch.Tensor) -> torch.Tensor:
+    """Index of the last strictly positive entry of each row (0 if none). rows: [B, N]."""
+    idx = torch.arange(rows.shape[-1], device=rows.device)
+    return torch.where(rows > 0, idx, -1).amax(-1).clamp(min=0)
+
+
+def sample(
+    probs: torch.Tensor,  # [B, V]
+    generators: Sequence[torch.Generator | None] | None = None,
+    *,
+    uniforms: torch.Tensor | None = None,  # [B] float64
+) -> torch.Tensor:  # [B] int64
+    """Sample one token per row, each row with its own generator (or injected uniforms)."""
+    if uniforms is None:
+        gens = list(generators) if generators is not None else [None] * probs.shape[0]
+        uniforms = draw_uniforms(gens, 1, device=probs.device)[:, 0]
+    return inverse_cdf_sample(probs, uniforms)

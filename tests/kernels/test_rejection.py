@@ -1,0 +1,191 @@
+"""speculative_accept: bit-identity at delta = 0, agreement with the slow reference,
+edge rows, greedy rows and argument errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import PLACEHOLDER_TOKEN_ID, RULES, processed_probs, speculative_accept
+from tests.kernels.cases import edge_case, random_case
+from tests.kernels.reference import reference_accept
+
+SHAPES = [(1, 1, 2), (3, 1, 7), (2, 4, 2), (5, 3, 11), (8, 4, 50), (4, 10, 64), (16, 5, 1500)]
+
+
+@pytest.mark.parametrize("rule", ["cactus", "cactus_exact"])
+@pytest.mark.parametrize("seed", range(40))
+def test_delta_zero_is_bit_identical_to_sps(rule, seed):
+    batch, k, vocab = SHAPES[seed % len(SHAPES)]
+    ids, draft, target, _ = random_case(seed, batch=batch, k=k, vocab=vocab)
+    zero = 0.0 if seed % 2 else torch.zeros(batch, dtype=torch.float64)
+    sps = speculative_accept(
+        ids, draft, target, rule="sps", generator=torch.Generator().manual_seed(seed)
+    )
+    ours = speculative_accept(
+        ids, draft, target, rule=rule, delta=zero, generator=torch.Generator().manual_seed(seed)
+    )
+    assert torch.equal(sps.output_token_ids, ours.output_token_ids)
+    assert torch.equal(sps.num_accepted, ours.num_accepted)
+    assert torch.equal(ours.divergence_nats, torch.zeros(batch, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_path_matches_reference(rule, seed):
+    batch, k, vocab = SHAPES[seed % len(SHAPES)]
+    ids, draft, target, uniforms = random_case(1000 + seed, batch=batch, k=k, vocab=vocab)
+    delta = torch.linspace(0.0, 3.0, batch, dtype=torch.float64)
+    budget = None if seed % 3 else torch.linspace(0.0, 2.0, batch, dtype=torch.float64)
+    fast = speculative_accept(
+        ids, draft, target, rule=rule, delta=delta, uniforms=uniforms, divergence_budget=budget
+    )
+    out, num, div = reference_accept(
+        ids, draft, target, rule=rule, delta=delta, uniforms=uniforms, budget=budget
+    )
+    assert torch.equal(fast.output_token_ids, out)
+    assert torch.equal(fast.num_accepted, num)
+    # The reference sums KL over the whole float32 row, whose mass is 1 only to ~1e-7;
+    # the kernel's binary KL assumes exact normalisation.
+    torch.testing.assert_close(fast.divergence_nats, div, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("delta", [0.0, 0.3, 5.0])
+def test_edge_rows_match_reference(rule, delta):
+    ids, draft, target, uniforms = edge_case()
+    fast = speculative_accept(ids, draft, target, rule=rule, delta=delta, uniforms=uniforms)
+    out, num, div = reference_accept(
+        ids, draft, target, rule=rule, delta=delta, uniforms=uniforms
+    )
+    assert torch.equal(fast.output_token_ids, out)
+    assert torch.equal(fast.num_accepted, num)
+    torch.testing.assert_close(fast.divergence_nats, div, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rule", ["sps", "cactus", "cactus_exact"])
+@pytest.mark.parametrize("delta", [0.0, 0.5, 50.0])
+def test_edge_row_semantics(rule, delta):
+    ids, draft, target, uniforms = edge_case()
+    res = speculative_accept(ids, draft, target, rule=rule, delta=delta, uniforms=uniforms)
+    out = res.output_token_ids
+    # q_n = 0: never accepted, and the recovered token is inside q's support.
+    assert res.num_accepted[0] == 0 and target[0, 0, out[0, 0]] > 0
+    # q_n = 1 at every position: all accepted, bonus from row K, no divergence.
+    assert res.num_accepted[1] == 3 and res.divergence_nats[1] == 0
+    # p_n = 0 at position 1: rejected there.
+    assert res.num_accepted[2] == 1
+    # p == q and u = 0: all accepted; the bonus is the only extra token.
+    assert res.num_accepted[3] == 3 and (out[3] >= 0).all()
+    # q_n = 0.001 vs p_n = 0.9, u = 0.999: rejected at position 0 unless delta is so
+    # large that h_n reaches 1 (cactus_exact: -ln 0.001 = 6.9 <= delta).
+    if delta < 6.9 or rule == "cactus":
+        assert res.num_accepted[4] == 0
+        assert (out[4, 1:] == PLACEHOLDER_TOKEN_ID).all()
+    # one-hot q on token 3 (drafted 0): recovered token is 3.
+    assert out[5, 0] == 3 and (out[5, 1:] == PLACEHOLDER_TOKEN_ID).all()
+
+
+def test_cactus_accepts_more_but_never_outside_support():
+    gen = torch.Generator().manual_seed(7)
+    ids, draft, target, _ = random_case(7, batch=4000, k=1, vocab=6)
+    counts = {}
+    for rule in ("sps", "cactus", "cactus_exact"):
+        res = speculative_accept(ids, draft, target, rule=rule, delta=1.0,
+                                 generator=torch.Generator().manual_seed(3))
+        counts[rule] = int(res.num_accepted.sum())
+        emitted = res.output_token_ids[:, 0]
+        assert (target[torch.arange(4000), 0, emitted] > 0).all(), rule
+    assert counts["cactus"] > counts["sps"] and counts["cactus_exact"] > counts["sps"]
+    del gen
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_temperature_zero_rows_emit_the_argmax_chain(rule):
+    gen = torch.Generator().manual_seed(11)
+    batch, k, vocab = 64, 5, 40
+    target_logits = torch.randn(batch, k + 1, vocab, generator=gen)
+    # The draft agrees with the verifier's argmax most of the time.
+    draft_logits = target_logits[:, :k] + 0.8 * torch.randn(batch, k, vocab, generator=gen)
+    target = processed_probs(target_logits, temperature=0.0)
+    draft = processed_probs(draft_logits, temperature=0.0)
+    ids = draft.argmax(-1)
+    res = speculative_accept(ids, draft, target, rule=rule, delta=2.0,
+                             generator=torch.Generator().manual_seed(5))
+    want = target_logits.argmax(-1)  # [B, K + 1]
+    for b in range(batch):
+        m = int(res.num_accepted[b])
+        agree = int((ids[b] == want[b, :k]).long().cumprod(0).sum())
+        assert m == agree
+        assert res.output_token_ids[b, : m + 1].tolist() == want[b, : m + 1].tolist()
+    assert torch.equal(res.divergence_nats, torch.zeros(batch, dtype=torch.float64))
+
+
+def test_per_request_delta_in_one_batch():
+    ids, draft, target, uniforms = random_case(3, batch=6, k=4, vocab=30)
+    deltas = torch.tensor([0.0, 0.5, 0.0, 2.0, 0.0, 1.0], dtype=torch.float64)
+    mixed = speculative_accept(ids, draft, target, rule="cactus", delta=deltas, uniforms=uniforms)
+    for b in range(6):
+        solo = speculative_accept(ids[b : b + 1], draft[b : b + 1], target[b : b + 1],
+                                  rule="cactus", delta=float(deltas[b]), uniforms=uniforms[b : b + 1])
+        assert torch.equal(mixed.output_token_ids[b], solo.output_token_ids[0])
+
+
+def test_divergence_budget_caps_the_sum():
+    ids, draft, target, uniforms = random_case(4, batch=64, k=6, vocab=20)
+    budget = torch.full((64,), 0.3, dtype=torch.float64)
+    free = speculative_accept(ids, draft, target, rule="cactus_exact", delta=1.0, uniforms=uniforms)
+    capped = speculative_accept(ids, draft, target, rule="cactus_exact", delta=1.0,
+                                uniforms=uniforms, divergence_budget=budget)
+    assert (capped.divergence_nats <= 0.3 + 1e-12).all()
+    assert (free.divergence_nats > 0.3).any()
+    assert int(capped.num_accepted.sum()) <= int(free.num_accepted.sum())
+
+
+def _args(**over):
+    ids, draft, target, _ = random_case(0, batch=2, k=3, vocab=5)
+    base = {"draft_token_ids": ids, "draft_probs": draft, "target_probs": target,
+            "rule": "cactus", "delta": 0.5}
+    base.update(over)
+    return base
+
+
+def _bad(t, idx, value):
+    t = t.clone()
+    t[idx] = value
+    return t
+
+
+_, _D, _T, _ = random_case(0, batch=2, k=3, vocab=5)
+BAD_INPUTS = [
+    ("rule", {"rule": "nope"}),
+    ("rule", {"rule": "none"}),
+    ("draft_token_ids", {"draft_token_ids": torch.zeros(2, 0, dtype=torch.int64)}),
+    ("draft_token_ids", {"draft_token_ids": torch.zeros(2, 3)}),
+    ("draft_token_ids", {"draft_token_ids": torch.tensor([[0, 1, 5], [0, 0, 0]])}),
+    ("draft_token_ids", {"draft_token_ids": torch.tensor([[0, -1, 2], [0, 0, 0]])}),
+    ("draft_probs", {"draft_probs": _D[:, :2]}),
+    ("target_probs", {"target_probs": _T[:, :3]}),
+    ("target_probs", {"target_probs": _T[..., :4]}),
+    ("draft_probs", {"draft_probs": _bad(_D, (0, 1, 2), math.nan)}),
+    ("target_probs", {"target_probs": _bad(_T, (1, 3, 0), math.inf)}),
+    ("target_probs", {"target_probs": _bad(_T, (1, 0, 0), -0.1)}),
+    ("delta", {"delta": -0.1}),
+    ("delta", {"delta": math.nan}),
+    ("delta", {"delta": math.inf}),
+    ("delta", {"delta": torch.tensor([0.1, math.nan])}),
+    ("delta", {"delta": torch.tensor([0.1, 0.2, 0.3])}),
+    ("uniforms", {"uniforms": torch.zeros(2, 3, dtype=torch.float64)}),
+    ("uniforms", {"uniforms": torch.ones(2, 4, dtype=torch.float64)}),
+    ("divergence_budget", {"divergence_budget": torch.tensor([math.nan, 1.0])}),
+    ("tas_threshold", {"rule": "tas", "tas_threshold": 0.0}),
+    ("tas_alpha", {"rule": "tas", "tas_alpha": -1.0}),
+]
+
+
+@pytest.mark.parametrize(("name", "override"), BAD_INPUTS)
+def test_bad_input_raises_value_error_naming_the_argument(name, override):
+    with pytest.raises(ValueError, match=name):
+        speculative_accept(**_args(**override))
