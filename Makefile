@@ -13,6 +13,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
 export TOKENIZERS_PARALLELISM := false
+export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
 .PHONY: setup test lint format bench-kernels clean

@@ -27,7 +27,10 @@ def binary_kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a = a.to(torch.float64)
     b = b.to(torch.float64)
     return (
-        torch.xlogy(a, a) - torch.xlogy(a, b) + torch.xlogy(1 - a, 1 - a) - torch.xlogy(1 - a, 1 - b)
+        torch.xlogy(a, a)
+        - torch.xlogy(a, b)
+        + torch.xlogy(1 - a, 1 - a)
+        - torch.xlogy(1 - a, 1 - b)
     )
 
 

@@ -32,9 +32,18 @@ import torch
 
 from kernels import validation
 from kernels.divergence import binary_kl, cactus_boost, cactus_exact_boost, rest_scale
-from kernels.sampling import inverse_cdf_sample
+from kernels.sampling import (
+    SAMPLE_BLOCK,
+    block_columns,
+    block_sums,
+    inverse_cdf_sample,
+    sample_from_blocks,
+)
 
 PLACEHOLDER_TOKEN_ID = -1
+# The final row is streamed in chunks of this many sampling blocks (64 KiB of float32
+# per row): each chunk is computed, reduced and dropped while it is still in cache.
+RESIDUAL_CHUNK_BLOCKS = 16
 RULES = validation.RULES
 
 
@@ -58,6 +67,7 @@ def speculative_accept(
     tas_alpha: float | None = None,  # None = sqrt(tas_threshold), the paper's code
     divergence_budget: torch.Tensor | None = None,  # [B] nats left before delta drops to 0
     validate: bool = True,
+    backend: str = "auto",  # "torch", "triton", or "auto" (triton for CUDA float32)
 ) -> AcceptResult:
     """Verify K drafted tokens per sequence and emit the accepted, recovered or bonus tokens.
 
@@ -65,6 +75,27 @@ def speculative_accept(
     divergence would exceed a sequence's budget use delta = 0 from there on (tas ignores
     delta and the budget). Raises ValueError naming the argument on bad input.
     """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+    use_triton = backend == "triton" or (
+        backend == "auto" and target_probs.is_cuda and target_probs.dtype == torch.float32
+    )
+    if use_triton:
+        from kernels.triton_accept import speculative_accept_triton  # needs triton
+
+        return speculative_accept_triton(
+            draft_token_ids,
+            draft_probs,
+            target_probs,
+            rule=rule,
+            delta=delta,
+            generator=generator,
+            uniforms=uniforms,
+            tas_threshold=tas_threshold,
+            tas_alpha=tas_alpha,
+            divergence_budget=divergence_budget,
+            validate=validate,
+        )
     validation.check_rule(rule)
     batch, k, vocab = validation.check_shapes(draft_token_ids, draft_probs, target_probs)
     validation.check_delta(delta, batch)
@@ -93,23 +124,14 @@ def speculative_accept(
         accepted = (p_n > 0) & (uniforms[:, :k] * p_n.to(torch.float64) < h_n)
 
     num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
-    final_row_q = _row(target_probs, num_accepted)  # [B, V]: rejected row, or bonus row K
-    last = _final_tokens(
-        final_row_q,
-        draft_probs,
-        ids,
-        h_n,
-        q_n,
-        num_accepted=num_accepted,
-        u_final=uniforms[:, k],
-        typical=rule == "tas",
-    )
-    output = _assemble(ids, num_accepted, last)
     if rule == "tas":
-        divergence = _typical_divergence(q_n, final_row_q, num_accepted)
+        last, q_best = _typical_final(target_probs, num_accepted, uniforms[:, k])
+        divergence = _typical_divergence(q_n, q_best, num_accepted)
     else:
+        row = _FinalRow(target_probs, draft_probs, ids, h_n, q_n, num_accepted)
+        last = _final_tokens(row, uniforms[:, k], vocab)
         divergence = _emitted_sum(binary_kl(h_n, q_n), num_accepted)
-    return AcceptResult(output, num_accepted, divergence)
+    return AcceptResult(_assemble(ids, num_accepted, last), num_accepted, divergence)
 
 
 def adjusted_target_mass(
@@ -144,40 +166,103 @@ def typical_accept(
     return q_n > cutoff
 
 
-def _row(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """probs[b, index[b], :] for each b. probs: [B, R, V], index: [B] -> [B, V]."""
-    vocab = probs.shape[-1]
-    return probs.gather(1, index[:, None, None].expand(-1, 1, vocab))[:, 0]
-
-
-def _final_tokens(
-    q_row: torch.Tensor,  # [B, V] q at the first rejected position, or at the bonus row
-    draft_probs: torch.Tensor,  # [B, K, V]
-    ids: torch.Tensor,  # [B, K]
-    h_n: torch.Tensor,  # [B, K] float64
-    q_n: torch.Tensor,  # [B, K]
-    *,
+def _typical_final(
+    target_probs: torch.Tensor,  # [B, K + 1, V]
     num_accepted: torch.Tensor,  # [B]
     u_final: torch.Tensor,  # [B] float64
-    typical: bool,
-) -> torch.Tensor:  # [B] int64
-    """The recovered token (first rejected position) or the bonus token (all accepted)."""
-    k = ids.shape[1]
-    rejected = num_accepted < k  # [B]
-    j = num_accepted.clamp(max=k - 1)[:, None]  # [B, 1]
-    if typical:
-        bonus = inverse_cdf_sample(q_row, u_final)
-        return torch.where(rejected, q_row.argmax(-1), bonus)
-    p_row = _row(draft_probs, j[:, 0]).to(q_row.dtype)  # [B, V]
-    h_j, q_j = h_n.gather(1, j), q_n.gather(1, j)  # [B, 1]
-    # h around the rejected token: the rest scaled by s, the drafted token set to h_n.
-    scale = rest_scale(q_j, h_j).to(q_row.dtype)
-    h_row = (q_row * scale).scatter_(-1, ids.gather(1, j), h_j.to(q_row.dtype))
-    residual = torch.clamp(h_row - p_row, min=0.0)
-    # max(0, h - p) is all zero only when h == p up to rounding: then h itself is exact.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, h_row)
-    weights = torch.where(rejected[:, None], residual, q_row)
-    return inverse_cdf_sample(weights, u_final)
+) -> tuple[torch.Tensor, torch.Tensor]:  # token [B], q of the argmax at that row [B]
+    """tas: argmax q at the first rejected position, else a bonus sample from q row K."""
+    k = target_probs.shape[1] - 1
+    q_row = target_probs[
+        torch.arange(target_probs.shape[0], device=target_probs.device), num_accepted
+    ]  # [B, V]
+    best, arg = q_row.max(-1)
+    token = torch.where(num_accepted < k, arg, inverse_cdf_sample(q_row, u_final))
+    return token, best
+
+
+class _FinalRow:
+    """The one [V] row each sequence samples from, computed on demand for any columns.
+
+    Rejected at position j: the residual max(0, h - p) with h built around drafted n_j
+    (h_x = q_x * s, h_{n_j} = h_n). All accepted: q at the bonus row K (s = 1, no p).
+    Both cases are the same arithmetic, so delta = 0 is bit-identical to sps.
+    """
+
+    def __init__(self, target_probs, draft_probs, ids, h_n, q_n, num_accepted):
+        batch, k = ids.shape
+        vocab = target_probs.shape[-1]
+        dtype = target_probs.dtype
+        b = torch.arange(batch, device=ids.device)
+        j = num_accepted.clamp(max=k - 1)
+        # Flattened rows: the first rejected position (or K, the bonus row) of q, and j of p.
+        self.q_rows = target_probs.reshape(-1, vocab)
+        self.p_rows = draft_probs.reshape(-1, vocab)
+        self.q_index = b * (k + 1) + num_accepted
+        self.p_index = b * k + j
+        rejected = num_accepted < k
+        self.n_j = ids[b, j][:, None]  # [B, 1]
+        h_j, q_j = h_n[b, j], q_n[b, j]
+        q_at_n = self.q_rows[self.q_index, self.n_j[:, 0]].to(torch.float64)
+        self.scale = torch.where(rejected, rest_scale(q_j, h_j), 1.0).to(dtype)[:, None]
+        self.h_val = torch.where(rejected, h_j, q_at_n).to(dtype)[:, None]
+        self.minus_p = rejected.to(dtype)[:, None]  # 1: subtract p (residual); 0: plain q
+
+    def weights(
+        self, cols: slice | torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, p) at `cols`: a column slice, or per-row indices [B, C] (< V).
+
+        `out`: two [B, >= C] buffers to write into. Reusing them across chunks matters on
+        CPU: a fresh multi-MB tensor per chunk costs more in page faults than the maths.
+        """
+        if isinstance(cols, slice):
+            src_q, src_p = self.q_rows[:, cols], self.p_rows[:, cols]
+            width = src_q.shape[1]
+            q = torch.index_select(src_q, 0, self.q_index, out=out[0][:, :width])
+            p = torch.index_select(src_p, 0, self.p_index, out=out[1][:, :width])
+            local = self.n_j - cols.start  # n_j's column inside this chunk
+        else:
+            q = self.q_rows[self.q_index[:, None], cols]
+            p = self.p_rows[self.p_index[:, None], cols].to(q.dtype)
+            local = (cols == self.n_j).to(torch.int64).argmax(-1, keepdim=True)
+            local = torch.where((cols == self.n_j).any(-1, keepdim=True), local, -1)
+        h = q.mul_(self.scale)
+        # Set h at n_j where n_j falls in these columns (elsewhere write back what is there).
+        inside = (local >= 0) & (local < h.shape[1])
+        at = local.clamp(0, h.shape[1] - 1)
+        h.scatter_(1, at, torch.where(inside, self.h_val, h.gather(1, at)))
+        return h.addcmul_(p, self.minus_p, value=-1.0).clamp_(min=0.0), p
+
+
+def _final_tokens(row: _FinalRow, u_final: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Sample each sequence's recovered or bonus token from its `_FinalRow`.
+
+    The row is streamed in cache-sized column chunks and reduced to float64 block
+    masses; only the one block the inverse CDF lands in is recomputed. Should the
+    residual be empty (h == p up to rounding, so p is h), p is sampled instead.
+    """
+    block = min(SAMPLE_BLOCK, vocab)
+    chunk = min(RESIDUAL_CHUNK_BLOCKS * block, vocab)
+    batch = u_final.shape[0]
+    buffers = (row.q_rows.new_empty(batch, chunk), row.p_rows.new_empty(batch, chunk))
+    w_sums, p_sums = [], []
+    for start in range(0, vocab, chunk):
+        w, p = row.weights(slice(start, min(start + chunk, vocab)), out=buffers)
+        w_sums.append(block_sums(w, block))
+        p_sums.append(block_sums(p, block))
+    w_mass, p_mass = torch.cat(w_sums, dim=1), torch.cat(p_sums, dim=1)
+    empty = (w_mass.sum(-1) <= 0)[:, None]  # [B, 1]
+
+    def block_weights(blk: torch.Tensor) -> torch.Tensor:
+        cols = block_columns(blk, block)
+        valid = cols < vocab
+        w, p = row.weights(cols.clamp(max=vocab - 1))
+        return torch.where(valid, torch.where(empty, p.to(w.dtype), w), 0.0)
+
+    return sample_from_blocks(
+        torch.where(empty, p_mass, w_mass), u_final, block_weights, block=block
+    )
 
 
 def _assemble(ids: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -197,13 +282,13 @@ def _emitted_sum(per_position: torch.Tensor, num_accepted: torch.Tensor) -> torc
 
 
 def _typical_divergence(
-    q_n: torch.Tensor, q_row: torch.Tensor, num_accepted: torch.Tensor
+    q_n: torch.Tensor, q_best: torch.Tensor, num_accepted: torch.Tensor
 ) -> torch.Tensor:
     """tas has no h: its target at an emitted position is a point mass on the emitted token
     x, whose KL to q is -ln q(x) (ours; the same d(1 || q_x) Cactus would charge)."""
     k = q_n.shape[1]
     pos = torch.arange(k, device=q_n.device)[None, :]
     accepted_cost = -torch.log(q_n.to(torch.float64))  # [B, K], used where pos < accepted
-    recovered_cost = -torch.log(q_row.max(-1).values.to(torch.float64))[:, None]  # [B, 1]
+    recovered_cost = -torch.log(q_best.to(torch.float64))[:, None]  # [B, 1]
     per_position = torch.where(pos < num_accepted[:, None], accepted_cost, recovered_cost)
     return _emitted_sum(per_position, num_accepted)

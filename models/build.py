@@ -47,8 +47,8 @@ FULL = BuildPlan(
     draft_shape="draft",
     vocab_size=corpus.VOCAB_SIZE,
     seq_len=256,
-    verifier=TrainSpec(steps=900, batch=8, lr=1e-3, warmup=50, seed=1234),
-    draft=TrainSpec(steps=800, batch=8, lr=2e-3, warmup=30, seed=4321),
+    verifier=TrainSpec(steps=600, batch=8, lr=1e-3, warmup=40, seed=1234),
+    draft=TrainSpec(steps=480, batch=8, lr=2e-3, warmup=30, seed=4321),
 )
 
 SMOKE = BuildPlan(

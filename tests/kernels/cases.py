@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def random_probs(shape: tuple[int, ...], *, gen: torch.Generator, sharp: float = 1.0,
-                 zero_frac: float = 0.0) -> torch.Tensor:
+def random_probs(
+    shape: tuple[int, ...], *, gen: torch.Generator, sharp: float = 1.0, zero_frac: float = 0.0
+) -> torch.Tensor:
     """Softmax of random logits; optionally zero out a fraction of entries (truncation)."""
     logits = torch.randn(shape, generator=gen) * sharp
     if zero_frac > 0:
@@ -63,4 +64,18 @@ def edge_case():
     draft[4, 0] = torch.tensor([0.9, 0.025, 0.025, 0.025, 0.025])
     uniforms[4, 0] = 0.999
     target[5, :] = torch.nn.functional.one_hot(torch.tensor(3), vocab).float()
+    return ids, draft, target, uniforms
+
+
+def empty_residual_case():
+    """Rejected with max(0, h - p) == 0 everywhere: q = p scaled down by rounding-size
+    amounts (q <= p elementwise), u just under 1 at position 0. The kernel must then
+    sample p (= h up to rounding) instead of dividing by zero."""
+    gen = torch.Generator().manual_seed(12)
+    batch, k, vocab = 4, 2, 37
+    draft = random_probs((batch, k, vocab), gen=gen, sharp=2.0)
+    target = torch.cat([draft, draft[:, :1]], dim=1) * (1 - 1e-7)
+    ids = sample_ids(draft, gen)
+    uniforms = torch.rand(batch, k + 1, dtype=torch.float64, generator=gen)
+    uniforms[:, 0] = 1 - 1e-9
     return ids, draft, target, uniforms

@@ -128,14 +128,21 @@ def _reference_row(ids, p, q, *, rule, delta, uniforms, tas, budget):
             tokens.append(n)
             continue
         residual = torch.clamp(h - p[i].to(torch.float64), min=0)
-        if float(residual.sum()) <= 0:
-            residual = h
+        if float(residual.sum()) <= 0:  # h == p up to rounding: sample p (= h)
+            residual = p[i].to(torch.float64)
         return [*tokens, icdf(residual, float(uniforms[k]))], i, used
     return [*tokens, icdf(q[k], float(uniforms[k]))], k, used
 
 
-def emitted_distribution(p: torch.Tensor, q: torch.Tensor, *, rule: str, delta: float = 0.0,
-                         tas_threshold: float = 0.09, tas_alpha: float | None = None) -> torch.Tensor:
+def emitted_distribution(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    rule: str,
+    delta: float = 0.0,
+    tas_threshold: float = 0.09,
+    tas_alpha: float | None = None,
+) -> torch.Tensor:
     """Exact law of the first emitted token at one position (spec): [V] float64.
 
     cactus/cactus_exact: o(x) = sum_n p_n (a_n [x == n] + (1 - a_n) r^(n)(x)),
@@ -165,8 +172,15 @@ def emitted_distribution(p: torch.Tensor, q: torch.Tensor, *, rule: str, delta: 
     return out
 
 
-def acceptance_probability(p: torch.Tensor, q: torch.Tensor, *, rule: str, delta: float = 0.0,
-                           tas_threshold: float = 0.09, tas_alpha: float | None = None) -> float:
+def acceptance_probability(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    rule: str,
+    delta: float = 0.0,
+    tas_threshold: float = 0.09,
+    tas_alpha: float | None = None,
+) -> float:
     """P(accept) at one position = sum_n p_n min(1, h^(n)_n / p_n) (tas: p of the set A)."""
     p = p.to(torch.float64)
     q = q.to(torch.float64)

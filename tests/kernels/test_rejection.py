@@ -8,8 +8,14 @@ import math
 import pytest
 import torch
 
-from kernels import PLACEHOLDER_TOKEN_ID, RULES, processed_probs, speculative_accept
-from tests.kernels.cases import edge_case, random_case
+from kernels import (
+    PLACEHOLDER_TOKEN_ID,
+    RULES,
+    inverse_cdf_sample,
+    processed_probs,
+    speculative_accept,
+)
+from tests.kernels.cases import edge_case, empty_residual_case, random_case
 from tests.kernels.reference import reference_accept
 
 SHAPES = [(1, 1, 2), (3, 1, 7), (2, 4, 2), (5, 3, 11), (8, 4, 50), (4, 10, 64), (16, 5, 1500)]
@@ -57,9 +63,7 @@ def test_fast_path_matches_reference(rule, seed):
 def test_edge_rows_match_reference(rule, delta):
     ids, draft, target, uniforms = edge_case()
     fast = speculative_accept(ids, draft, target, rule=rule, delta=delta, uniforms=uniforms)
-    out, num, div = reference_accept(
-        ids, draft, target, rule=rule, delta=delta, uniforms=uniforms
-    )
+    out, num, div = reference_accept(ids, draft, target, rule=rule, delta=delta, uniforms=uniforms)
     assert torch.equal(fast.output_token_ids, out)
     assert torch.equal(fast.num_accepted, num)
     torch.testing.assert_close(fast.divergence_nats, div, rtol=1e-6, atol=1e-7)
@@ -88,18 +92,28 @@ def test_edge_row_semantics(rule, delta):
     assert out[5, 0] == 3 and (out[5, 1:] == PLACEHOLDER_TOKEN_ID).all()
 
 
+@pytest.mark.parametrize("rule", ["sps", "cactus", "cactus_exact"])
+def test_empty_residual_falls_back_to_the_draft_row(rule):
+    ids, draft, target, uniforms = empty_residual_case()
+    res = speculative_accept(ids, draft, target, rule=rule, delta=0.0, uniforms=uniforms)
+    out, _num, _ = reference_accept(ids, draft, target, rule=rule, delta=0.0, uniforms=uniforms)
+    assert (res.num_accepted == 0).all()
+    assert torch.equal(res.output_token_ids, out)
+    want = inverse_cdf_sample(draft[:, 0], uniforms[:, 2])
+    assert torch.equal(res.output_token_ids[:, 0], want)
+
+
 def test_cactus_accepts_more_but_never_outside_support():
-    gen = torch.Generator().manual_seed(7)
     ids, draft, target, _ = random_case(7, batch=4000, k=1, vocab=6)
     counts = {}
     for rule in ("sps", "cactus", "cactus_exact"):
-        res = speculative_accept(ids, draft, target, rule=rule, delta=1.0,
-                                 generator=torch.Generator().manual_seed(3))
+        res = speculative_accept(
+            ids, draft, target, rule=rule, delta=1.0, generator=torch.Generator().manual_seed(3)
+        )
         counts[rule] = int(res.num_accepted.sum())
         emitted = res.output_token_ids[:, 0]
         assert (target[torch.arange(4000), 0, emitted] > 0).all(), rule
     assert counts["cactus"] > counts["sps"] and counts["cactus_exact"] > counts["sps"]
-    del gen
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -112,8 +126,9 @@ def test_temperature_zero_rows_emit_the_argmax_chain(rule):
     target = processed_probs(target_logits, temperature=0.0)
     draft = processed_probs(draft_logits, temperature=0.0)
     ids = draft.argmax(-1)
-    res = speculative_accept(ids, draft, target, rule=rule, delta=2.0,
-                             generator=torch.Generator().manual_seed(5))
+    res = speculative_accept(
+        ids, draft, target, rule=rule, delta=2.0, generator=torch.Generator().manual_seed(5)
+    )
     want = target_logits.argmax(-1)  # [B, K + 1]
     for b in range(batch):
         m = int(res.num_accepted[b])
@@ -128,8 +143,14 @@ def test_per_request_delta_in_one_batch():
     deltas = torch.tensor([0.0, 0.5, 0.0, 2.0, 0.0, 1.0], dtype=torch.float64)
     mixed = speculative_accept(ids, draft, target, rule="cactus", delta=deltas, uniforms=uniforms)
     for b in range(6):
-        solo = speculative_accept(ids[b : b + 1], draft[b : b + 1], target[b : b + 1],
-                                  rule="cactus", delta=float(deltas[b]), uniforms=uniforms[b : b + 1])
+        solo = speculative_accept(
+            ids[b : b + 1],
+            draft[b : b + 1],
+            target[b : b + 1],
+            rule="cactus",
+            delta=float(deltas[b]),
+            uniforms=uniforms[b : b + 1],
+        )
         assert torch.equal(mixed.output_token_ids[b], solo.output_token_ids[0])
 
 
@@ -137,8 +158,15 @@ def test_divergence_budget_caps_the_sum():
     ids, draft, target, uniforms = random_case(4, batch=64, k=6, vocab=20)
     budget = torch.full((64,), 0.3, dtype=torch.float64)
     free = speculative_accept(ids, draft, target, rule="cactus_exact", delta=1.0, uniforms=uniforms)
-    capped = speculative_accept(ids, draft, target, rule="cactus_exact", delta=1.0,
-                                uniforms=uniforms, divergence_budget=budget)
+    capped = speculative_accept(
+        ids,
+        draft,
+        target,
+        rule="cactus_exact",
+        delta=1.0,
+        uniforms=uniforms,
+        divergence_budget=budget,
+    )
     assert (capped.divergence_nats <= 0.3 + 1e-12).all()
     assert (free.divergence_nats > 0.3).any()
     assert int(capped.num_accepted.sum()) <= int(free.num_accepted.sum())
@@ -146,8 +174,13 @@ def test_divergence_budget_caps_the_sum():
 
 def _args(**over):
     ids, draft, target, _ = random_case(0, batch=2, k=3, vocab=5)
-    base = {"draft_token_ids": ids, "draft_probs": draft, "target_probs": target,
-            "rule": "cactus", "delta": 0.5}
+    base = {
+        "draft_token_ids": ids,
+        "draft_probs": draft,
+        "target_probs": target,
+        "rule": "cactus",
+        "delta": 0.5,
+    }
     base.update(over)
     return base
 
