@@ -1,0 +1,166 @@
+"""Request parameters and their validation: one pure function, table-tested.
+
+Field names and semantics follow vLLM / OpenAI (../shared/spec/serving.md). Everything
+that can be wrong with a request is checked here, before any model work, and reported as
+InvalidRequestError naming the field and the limit. Non-finite floats are rejected with
+math.isfinite (NaN compares False against every bound).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
+MAX_STOP_STRINGS = 8
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1 = off
+    seed: int | None = None  # None: the engine picks one and echoes it
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    rule: str = "cactus"  # none, sps, cactus, cactus_exact, tas
+    delta: float = 1.0  # nats; 0 = lossless
+    num_speculative_tokens: int = 4  # K
+    max_divergence_nats: float | None = None  # per-request ceiling on the summed divergence
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the deployment allows; the validator checks requests against it."""
+
+    max_context: int  # prompt + max_tokens <= max_context
+    vocab_size: int
+    max_num_speculative_tokens: int = 16
+    delta_ceiling: float = 8.0
+    allowed_rules: tuple[str, ...] = RULES
+    max_prompt_chars: int = 1_000_000
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite_in(name: str, value, low: float, high: float, *, low_open: bool = False) -> None:
+    if not _is_number(value) or not math.isfinite(value):
+        raise _invalid(name, f"must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        bracket = "(" if low_open else "["
+        raise _invalid(name, f"must lie in {bracket}{low}, {high}], got {value!r}")
+
+
+def _invalid(name: str, message: str):
+    from cactus.errors import InvalidRequestError
+
+    return InvalidRequestError(name, message)
+
+
+def validate_request(
+    request: GenerationRequest, limits: Limits, *, prompt_len: int | None = None
+) -> None:
+    """Raise InvalidRequestError for the first bad field; return None if all are fine.
+
+    prompt_len: the prompt's length in tokens, when the caller has tokenised it (the
+    context-length checks need it; the rest do not).
+    """
+    _validate_prompt(request, limits)
+    _validate_sampling(request.sampling, limits, prompt_len)
+    _validate_speculation(request.speculation, limits)
+
+
+def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
+    has_text = request.prompt is not None and request.prompt != ""
+    has_ids = request.prompt_token_ids is not None and len(request.prompt_token_ids) > 0
+    if has_text == has_ids:
+        raise _invalid("prompt", "give exactly one non-empty prompt or prompt_token_ids")
+    if has_text:
+        if not isinstance(request.prompt, str):
+            raise _invalid("prompt", "must be a string")
+        if len(request.prompt) > limits.max_prompt_chars:
+            raise _invalid("prompt", f"longer than {limits.max_prompt_chars} characters")
+        return
+    ids = request.prompt_token_ids
+    if len(ids) > limits.max_context:
+        raise _invalid("prompt_token_ids", f"more than max context {limits.max_context} tokens")
+    for tok in ids:
+        if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
+            raise _invalid("prompt_token_ids", f"ids must lie in [0, {limits.vocab_size})")
+
+
+def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None) -> None:
+    if not _is_int(s.max_tokens) or s.max_tokens < 1:
+        raise _invalid("max_tokens", f"must be an integer >= 1, got {s.max_tokens!r}")
+    if prompt_len is not None:
+        if prompt_len > limits.max_context - 1:
+            raise _invalid(
+                "prompt", f"{prompt_len} tokens leaves no room in max context {limits.max_context}"
+            )
+        if prompt_len + s.max_tokens > limits.max_context:
+            raise _invalid(
+                "max_tokens",
+                f"prompt ({prompt_len}) + max_tokens ({s.max_tokens}) "
+                f"exceeds max context {limits.max_context}",
+            )
+    elif s.max_tokens > limits.max_context:
+        raise _invalid("max_tokens", f"exceeds max context {limits.max_context}")
+    _finite_in("temperature", s.temperature, 0.0, 2.0)
+    _finite_in("top_p", s.top_p, 0.0, 1.0, low_open=True)
+    if not _is_int(s.top_k) or s.top_k < -1 or s.top_k > limits.vocab_size:
+        raise _invalid("top_k", f"must be -1, 0 (off) or 1..{limits.vocab_size}, got {s.top_k!r}")
+    if s.seed is not None and (not _is_int(s.seed) or not 0 <= s.seed <= MAX_SEED):
+        raise _invalid("seed", f"must be an integer in [0, 2^64 - 1], got {s.seed!r}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for text in s.stop:
+        if not isinstance(text, str) or not text or len(text) > MAX_STOP_STRING_CHARS:
+            raise _invalid(
+                "stop", f"stop strings must be non-empty, <= {MAX_STOP_STRING_CHARS} characters"
+            )
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+    for tok in s.stop_token_ids:
+        if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
+            raise _invalid("stop_token_ids", f"ids must lie in [0, {limits.vocab_size})")
+
+
+def _validate_speculation(sp: SpeculationParams, limits: Limits) -> None:
+    if sp.rule not in RULES:
+        raise _invalid("rule", f"unknown rule {sp.rule!r}; expected one of {', '.join(RULES)}")
+    if sp.rule not in limits.allowed_rules:
+        raise _invalid(
+            "rule", f"{sp.rule!r} is not enabled here; allowed: {', '.join(limits.allowed_rules)}"
+        )
+    _finite_in("delta", sp.delta, 0.0, limits.delta_ceiling)
+    k = sp.num_speculative_tokens
+    if not _is_int(k) or not 1 <= k <= limits.max_num_speculative_tokens:
+        raise _invalid(
+            "num_speculative_tokens",
+            f"must be an integer in [1, {limits.max_num_speculative_tokens}], got {k!r}",
+        )
+    if sp.max_divergence_nats is not None:
+        _finite_in("max_divergence_nats", sp.max_divergence_nats, 0.0, math.inf)

@@ -1,0 +1,102 @@
+"""validate_request: every rule of serving.md's table, one bad field at a time."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from cactus.errors import InvalidRequestError
+from cactus.params import (
+    GenerationRequest,
+    Limits,
+    SamplingParams,
+    SpeculationParams,
+    validate_request,
+)
+
+LIMITS = Limits(
+    max_context=1024,
+    vocab_size=8192,
+    max_num_speculative_tokens=8,
+    delta_ceiling=4.0,
+    allowed_rules=("none", "sps", "cactus", "cactus_exact"),
+)
+GOOD = GenerationRequest(
+    prompt="def f(x):",
+    sampling=SamplingParams(max_tokens=16),
+    speculation=SpeculationParams(rule="cactus", delta=1.0),
+)
+
+
+def _s(**kw):
+    return replace(GOOD, sampling=replace(GOOD.sampling, **kw))
+
+
+def _sp(**kw):
+    return replace(GOOD, speculation=replace(GOOD.speculation, **kw))
+
+
+BAD = [
+    ("prompt", replace(GOOD, prompt="")),
+    ("prompt", replace(GOOD, prompt=None)),
+    ("prompt", replace(GOOD, prompt_token_ids=(1, 2))),  # both given
+    ("prompt_token_ids", replace(GOOD, prompt=None, prompt_token_ids=(1, 8192))),
+    ("prompt_token_ids", replace(GOOD, prompt=None, prompt_token_ids=(-1,))),
+    ("prompt_token_ids", replace(GOOD, prompt=None, prompt_token_ids=tuple(range(1025)))),
+    ("max_tokens", _s(max_tokens=0)),
+    ("max_tokens", _s(max_tokens=-3)),
+    ("max_tokens", _s(max_tokens=1025)),
+    ("max_tokens", _s(max_tokens=2.5)),
+    ("temperature", _s(temperature=math.nan)),
+    ("temperature", _s(temperature=math.inf)),
+    ("temperature", _s(temperature=-0.1)),
+    ("temperature", _s(temperature=2.5)),
+    ("top_p", _s(top_p=0.0)),
+    ("top_p", _s(top_p=1.5)),
+    ("top_p", _s(top_p=math.nan)),
+    ("top_k", _s(top_k=-2)),
+    ("top_k", _s(top_k=8193)),
+    ("top_k", _s(top_k=1.5)),
+    ("seed", _s(seed=-1)),
+    ("seed", _s(seed=2**64)),
+    ("stop", _s(stop=("",))),
+    ("stop", _s(stop=tuple("abcdefghi"))),
+    ("stop", _s(stop=("x" * 257,))),
+    ("stop_token_ids", _s(stop_token_ids=(9000,))),
+    ("rule", _sp(rule="greedy")),
+    ("rule", _sp(rule="tas")),  # valid rule, not enabled by these limits
+    ("delta", _sp(delta=-0.5)),
+    ("delta", _sp(delta=math.nan)),
+    ("delta", _sp(delta=4.5)),  # above the operator ceiling
+    ("num_speculative_tokens", _sp(num_speculative_tokens=0)),
+    ("num_speculative_tokens", _sp(num_speculative_tokens=9)),
+    ("max_divergence_nats", _sp(max_divergence_nats=-1.0)),
+    ("max_divergence_nats", _sp(max_divergence_nats=math.inf)),
+]
+
+
+@pytest.mark.parametrize(("field", "request_"), BAD)
+def test_bad_field_is_named(field, request_):
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(request_, LIMITS)
+    assert err.value.field == field
+    assert isinstance(err.value, ValueError) and field in str(err.value)
+
+
+def test_context_checks_need_the_prompt_length():
+    validate_request(_s(max_tokens=1000), LIMITS)
+    with pytest.raises(InvalidRequestError, match="max context 1024") as err:
+        validate_request(_s(max_tokens=1000), LIMITS, prompt_len=30)
+    assert err.value.field == "max_tokens"
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(GOOD, LIMITS, prompt_len=1024)
+    assert err.value.field == "prompt"
+
+
+def test_good_requests_pass():
+    validate_request(GOOD, LIMITS, prompt_len=5)
+    validate_request(_s(temperature=0.0, top_k=-1, top_p=1.0, seed=2**64 - 1), LIMITS)
+    validate_request(_sp(rule="none", delta=0.0, max_divergence_nats=0.0), LIMITS)
+    validate_request(replace(GOOD, prompt=None, prompt_token_ids=(0, 8191)), LIMITS)

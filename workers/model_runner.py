@@ -1,0 +1,97 @@
+"""One causal LM with a KV cache per sequence: prefill, block forward, roll back.
+
+Loads any local Hugging Face causal-LM folder (Llama, Qwen2, Qwen3, Mistral, ...) through
+the Auto classes; nothing here branches on the model type. transformers 5.24 API: the
+cache is passed as `cache=`, and `DynamicCache.crop` takes a negative count.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Sequence:
+    cache: DynamicCache
+    length: int = 0  # tokens in the cache
+
+
+class ModelRunner:
+    """A model, its tokenizer and one KV cache per sequence id."""
+
+    def __init__(
+        self, path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu", model=None
+    ) -> None:
+        self.path = str(path)
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.config = AutoConfig.from_pretrained(self.path)
+        self.model = (
+            model
+            if model is not None
+            else AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device)
+        )
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self._seqs: dict[str, _Sequence] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.tokenizer.eos_token_id
+        return eos if eos is not None else getattr(self.config, "eos_token_id", None)
+
+    @property
+    def num_sequences(self) -> int:
+        """Caches currently held (tests check it returns to 0)."""
+        return len(self._seqs)
+
+    def length(self, seq_id: str) -> int:
+        return self._seqs[seq_id].length
+
+    def start(self, seq_id: str) -> None:
+        """Open an empty cache for a sequence (replacing any old one with the same id)."""
+        self._seqs[seq_id] = _Sequence(DynamicCache(config=self.model.config))
+
+    @torch.inference_mode()
+    def forward(self, seq_id: str, token_ids: list[int]) -> torch.Tensor:
+        """Append tokens to the sequence; return float32 logits [n, V] at those positions."""
+        seq = self._seqs[seq_id]
+        if not token_ids:
+            return torch.empty(0, self.vocab_size)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(seq.length, seq.length + len(token_ids), device=self.device)
+        out = self.model(
+            input_ids=ids, cache=seq.cache, position_ids=positions[None], use_cache=True
+        )
+        seq.length += len(token_ids)
+        return out.logits[0].float()
+
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        """Drop the last `num_tokens` tokens from the sequence's cache."""
+        if num_tokens <= 0:
+            return
+        seq = self._seqs[seq_id]
+        if num_tokens > seq.length:
+            raise ValueError(f"num_tokens: cannot roll back {num_tokens} of {seq.length}")
+        seq.cache.crop(-num_tokens)
+        seq.length -= num_tokens
+
+    def release(self, seq_id: str) -> bool:
+        """Free a sequence's cache; True if it existed."""
+        return self._seqs.pop(seq_id, None) is not None
