@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint format bench-kernels clean
+.PHONY: setup test lint format bench-kernels generate models clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,14 @@ format: setup
 
 bench-kernels: setup
 	$(PY) -m benchmarks.bench_kernels
+
+PROMPT ?= def fibonacci(n):
+generate: setup
+	$(PY) -m cactus.cli generate --prompt "$(PROMPT)" --stream
+
+# Retrain the embedded draft/verifier pair (about an hour on 2 cores; progress printed).
+models: setup
+	$(PY) -m models.build
 
 clean:
 	rm -rf $(VENV) $(CACHE) .pytest_cache

@@ -1,17 +1,133 @@
-"""`cactus` command line entry point."""
+"""`cactus` command line: generate text with speculative decoding.
+
+    cactus generate --prompt "def add(a, b):" [--rule cactus --delta 1 -K 4 ...]
+                    [--stream] [--json] [--verifier DIR --draft DIR]
+
+Runs the in-process engine on the embedded models (models/verifier, models/draft) unless
+other checkpoint folders are given.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_VERIFIER = REPO / "models" / "verifier"
+DEFAULT_DRAFT = REPO / "models" / "draft"
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion")
+    p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--rule", default="cactus", help="none, sps, cactus, cactus_exact or tas (default cactus)"
+    )
+    p.add_argument("--delta", type=float, default=1.0, help="divergence budget, nats")
+    p.add_argument("-K", "--num-speculative-tokens", type=int, default=4, dest="k")
+    p.add_argument("--max-divergence-nats", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[])
+    p.add_argument("--stream", action="store_true", help="print text as it is produced")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verifier", default=str(DEFAULT_VERIFIER))
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+
+
+def build_request(args):
+    from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+
+    return GenerationRequest(
+        prompt=args.prompt,
+        sampling=SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            stop_token_ids=tuple(args.stop_token_id),
+        ),
+        speculation=SpeculationParams(
+            rule=args.rule,
+            delta=args.delta,
+            num_speculative_tokens=args.k,
+            max_divergence_nats=args.max_divergence_nats,
+        ),
+    )
+
+
+def result_json(result) -> dict:
+    return {
+        "request_id": result.request_id,
+        "text": result.text,
+        "token_ids": list(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "seed": result.seed,
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(result.token_ids),
+        },
+        "stats": result.stats.as_dict(),
+    }
+
+
+def _quiet() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def generate(args) -> int:
+    _quiet()
+    import torch
+
+    from cactus.errors import InvalidRequestError
+    from workers.local import local_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        request = build_request(args)
+        engine = local_engine(args.verifier, args.draft, dtype=args.dtype)
+        result = None
+        for chunk in engine.stream(request):
+            if args.stream and chunk.text:
+                print(chunk.text, end="", flush=True)
+            result = chunk.result or result
+    except (InvalidRequestError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.stream:
+        print()
+    if args.json:
+        print(json.dumps(result_json(result)))
+    elif not args.stream:
+        print(result.text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cactus", description=__doc__)
-    parser.add_subparsers(dest="command")
+    parser = argparse.ArgumentParser(prog="cactus", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    _generate_parser(sub)
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
+    if args.command == "generate":
+        return generate(args)
+    parser.print_help()
     return 0
 
 

@@ -31,3 +31,42 @@ def tiny_checkpoints(tmp_path_factory, tiny_tokenizer):
 
     root = tmp_path_factory.mktemp("tiny")
     return {f: build_tiny(root / f, f, tiny_tokenizer, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+def embedded_dirs() -> tuple[str, str]:
+    """The embedded verifier and draft folders (overridable for development only)."""
+    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER
+
+    return (
+        os.environ.get("CACTUS_TEST_VERIFIER", str(DEFAULT_VERIFIER)),
+        os.environ.get("CACTUS_TEST_DRAFT", str(DEFAULT_DRAFT)),
+    )
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    """In-process engine on the embedded models, shared by the engine tests."""
+    from workers.local import local_engine
+
+    verifier, draft = embedded_dirs()
+    return local_engine(verifier, draft)
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts(embedded_engine):
+    """16 held-out prompts: the first ~24 tokens of held-out standard-library files that
+    start with code (not a licence comment), decoded back to text."""
+    from models.corpus import load_texts
+
+    tok = embedded_engine.tokenizer
+    prompts = []
+    for _path, text in load_texts("heldout"):
+        body = text.lstrip()
+        if len(body) < 400:
+            continue
+        ids = tok.encode(body, add_special_tokens=False)[:24]
+        prompts.append(tok.decode(ids))
+        if len(prompts) == 16:
+            break
+    assert len(prompts) == 16
+    return prompts

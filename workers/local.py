@@ -105,3 +105,21 @@ class LocalVerifier:
         self._pending.pop(request_id, None)
         self._scored.pop(request_id, None)
         self.runner.release(request_id)
+
+
+def local_engine(
+    verifier_dir: str, draft_dir: str, *, dtype: str = "float32", device: str = "cpu", limits=None
+):
+    """An in-process SpeculativeEngine over two local checkpoint folders."""
+    from workers.engine import SpeculativeEngine
+
+    verifier = ModelRunner(verifier_dir, dtype=dtype, device=device)
+    draft = ModelRunner(draft_dir, dtype=dtype, device=device)
+    if draft.vocab_size != verifier.vocab_size:
+        raise ValueError(
+            f"draft_dir: vocabulary {draft.vocab_size} differs from the verifier's "
+            f"{verifier.vocab_size}; the pair must share a tokenizer"
+        )
+    return SpeculativeEngine(
+        LocalDrafter(draft), LocalVerifier(verifier), verifier.tokenizer, limits=limits
+    )

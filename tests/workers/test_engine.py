@@ -1,0 +1,194 @@
+"""The in-process speculative engine on the embedded models."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cactus.errors import InvalidRequestError, RequestCancelledError
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from workers.engine import SpeculativeEngine
+
+RULES = ("sps", "cactus", "cactus_exact", "tas")
+
+
+def _req(prompt, *, rule="cactus", delta=1.0, k=4, **sampling):
+    sampling.setdefault("max_tokens", 32)
+    return GenerationRequest(
+        prompt=prompt,
+        sampling=SamplingParams(**sampling),
+        speculation=SpeculationParams(rule=rule, delta=delta, num_speculative_tokens=k),
+    )
+
+
+def test_greedy_every_rule_equals_verifier_only(embedded_engine, heldout_prompts):
+    """Temperature 0: 16 prompts x 48 tokens, every rule, token for token."""
+    accepted = {}
+    for prompt in heldout_prompts:
+        want = embedded_engine.generate(_req(prompt, rule="none", temperature=0.0, max_tokens=48))
+        for rule in RULES:
+            got = embedded_engine.generate(
+                _req(prompt, rule=rule, delta=2.0, temperature=0.0, max_tokens=48)
+            )
+            assert got.token_ids == want.token_ids, (rule, prompt)
+            assert got.text == want.text
+            accepted[rule] = accepted.get(rule, 0) + got.stats.num_accepted_tokens
+    assert all(n > 0 for n in accepted.values()), accepted  # speculation really happened
+
+
+@pytest.mark.parametrize("rule", ["cactus", "cactus_exact"])
+def test_delta_zero_equals_sps_under_a_seed(embedded_engine, heldout_prompts, rule):
+    for i, prompt in enumerate(heldout_prompts[:6]):
+        kw = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 100 + i}
+        sps = embedded_engine.generate(_req(prompt, rule="sps", **kw))
+        ours = embedded_engine.generate(_req(prompt, rule=rule, delta=0.0, **kw))
+        assert ours.token_ids == sps.token_ids
+        assert ours.stats.divergence_nats == 0.0
+
+
+def test_seed_reproducible_and_different_seeds_differ(embedded_engine, heldout_prompts):
+    prompt = heldout_prompts[3]
+    kw = {"temperature": 1.0, "max_tokens": 40}
+    a = embedded_engine.generate(_req(prompt, seed=7, **kw))
+    b = embedded_engine.generate(_req(prompt, seed=7, **kw))
+    c = embedded_engine.generate(_req(prompt, seed=8, **kw))
+    assert a.token_ids == b.token_ids and a.seed == 7
+    assert a.token_ids != c.token_ids
+    unseeded = embedded_engine.generate(_req(prompt, **kw))
+    again = embedded_engine.generate(_req(prompt, seed=unseeded.seed, **kw))
+    assert again.token_ids == unseeded.token_ids  # the echoed seed reproduces the output
+
+
+def test_stats_are_consistent(embedded_engine, heldout_prompts):
+    res = embedded_engine.generate(
+        _req(heldout_prompts[0], temperature=0.6, top_k=20, top_p=0.95, seed=1, max_tokens=40, k=4)
+    )
+    st = res.stats
+    assert st.num_drafts > 0 and st.num_draft_tokens <= 4 * st.num_drafts
+    assert sum(st.accepted_per_position) == st.num_accepted_tokens
+    assert st.accepted_per_position == sorted(st.accepted_per_position, reverse=True)
+    assert st.mean_acceptance_length == pytest.approx(1 + st.num_accepted_tokens / st.num_drafts)
+    assert st.divergence_nats > 0  # cactus at delta 1 moved away from q somewhere
+    assert len(res.token_ids) == 40 and res.finish_reason == "LENGTH"
+
+
+def test_divergence_ceiling_holds(embedded_engine, heldout_prompts):
+    req = _req(
+        heldout_prompts[1], rule="cactus_exact", delta=2.0, temperature=1.0, seed=3, max_tokens=48
+    )
+    free = embedded_engine.generate(req)
+    capped_req = replace(req, speculation=replace(req.speculation, max_divergence_nats=0.5))
+    capped = embedded_engine.generate(capped_req)
+    assert free.stats.divergence_nats > 0.5
+    assert capped.stats.divergence_nats <= 0.5 + 1e-9
+
+
+def test_stop_string_is_cut_and_never_streamed(embedded_engine, heldout_prompts):
+    base = embedded_engine.generate(_req(heldout_prompts[2], temperature=0.0, max_tokens=48))
+    text = base.text
+    stop = text[20:23]
+    assert len(stop) == 3 and text.find(stop) >= 0
+    want = text[: text.find(stop)]
+    req = _req(heldout_prompts[2], temperature=0.0, max_tokens=48, stop=(stop, "\x00never"))
+    chunks = list(embedded_engine.stream(req))
+    result = chunks[-1].result
+    assert result.finish_reason == "STOP_SEQUENCE" and result.text == want
+    assert "".join(c.text for c in chunks) == want
+    assert base.token_ids[: len(result.token_ids)] == result.token_ids
+
+
+def test_stop_token_id_and_eos(embedded_engine, heldout_prompts):
+    base = embedded_engine.generate(_req(heldout_prompts[4], temperature=0.0, max_tokens=30))
+    stop_id = base.token_ids[10]
+    first = base.token_ids.index(stop_id)
+    res = embedded_engine.generate(
+        _req(heldout_prompts[4], temperature=0.0, max_tokens=30, stop_token_ids=(stop_id,))
+    )
+    assert res.finish_reason == "STOP" and res.token_ids == base.token_ids[: first + 1]
+    assert res.text == embedded_engine.tokenizer.decode(base.token_ids[:first])
+    # EOS: an engine over the same workers whose EOS id is the token greedy decoding
+    # produces 6th must stop right there, keep the id and leave its text out.
+    eos = base.token_ids[5]
+    first = base.token_ids.index(eos)
+    eos_engine = SpeculativeEngine(
+        embedded_engine.drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        eos_token_id=eos,
+    )
+    res = eos_engine.generate(_req(heldout_prompts[4], temperature=0.0, max_tokens=30))
+    assert res.finish_reason == "EOS" and res.token_ids == base.token_ids[: first + 1]
+    assert res.text == embedded_engine.tokenizer.decode(base.token_ids[:first])
+
+
+def test_max_tokens_and_streaming_reassemble(embedded_engine, heldout_prompts):
+    chunks = list(
+        embedded_engine.stream(
+            _req(heldout_prompts[5], temperature=0.7, seed=4, max_tokens=17, k=6)
+        )
+    )
+    result = chunks[-1].result
+    assert result.finish_reason == "LENGTH" and len(result.token_ids) == 17
+    assert [t for c in chunks for t in c.token_ids] == list(result.token_ids)
+    assert "".join(c.text for c in chunks) == result.text
+
+
+def test_multibyte_text_roundtrips(embedded_engine):
+    prompt = "# café — naïve 日本語 🙂\ndef f():\n    return '"
+    res = embedded_engine.generate(_req(prompt, temperature=1.0, seed=11, max_tokens=40))
+    assert "\ufffd" not in res.text or res.finish_reason == "LENGTH"
+    assert (
+        res.text == embedded_engine.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        or res.finish_reason == "EOS"
+    )
+
+
+def test_cancel_frees_caches(embedded_engine, heldout_prompts):
+    steps = iter(range(100))
+    with pytest.raises(RequestCancelledError):
+        for _ in embedded_engine.stream(
+            _req(heldout_prompts[0], max_tokens=64), cancelled=lambda: next(steps) >= 2
+        ):
+            pass
+    assert embedded_engine.verifier.runner.num_sequences == 0
+    assert embedded_engine.drafter.runner.num_sequences == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("prompt", {"prompt": ""}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": 10**6}),
+        ("temperature", {"temperature": float("nan")}),
+        ("temperature", {"temperature": -1.0}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_k", {"top_k": -5}),
+        ("delta", {"delta": -1.0}),
+        ("delta", {"delta": float("nan")}),
+        ("num_speculative_tokens", {"k": 0}),
+        ("rule", {"rule": "bogus"}),
+    ],
+)
+def test_invalid_fields_raise_the_domain_error(embedded_engine, field, kwargs):
+    prompt = kwargs.pop("prompt", "def f():")
+    with pytest.raises(InvalidRequestError) as err:
+        embedded_engine.generate(_req(prompt, **kwargs))
+    assert err.value.field == field
+    assert embedded_engine.verifier.runner.num_sequences == 0
+
+
+def test_rollback_on_embedded_verifier(embedded_engine):
+    runner = embedded_engine.verifier.runner
+    ids = embedded_engine.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    runner.start("r")
+    runner.forward("r", ids[:8])
+    runner.forward("r", ids[8:13])
+    runner.rollback("r", 4)
+    got = runner.forward("r", ids[9:14])
+    with torch.inference_mode():
+        full = runner.model(input_ids=torch.tensor([ids[:14]]), use_cache=False).logits[0]
+    runner.release("r")
+    assert float((got - full[-5:].float()).abs().max()) < 1e-5
