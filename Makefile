@@ -16,9 +16,16 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint format bench-kernels generate models clean
+.PHONY: setup protos test lint format bench-kernels generate models clean
 
-setup: $(STAMP)
+setup: $(STAMP) protos
+
+# gRPC stubs are generated, not committed.
+PROTO_SRC := $(shell find protos -name '*.proto')
+PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py)
+protos: $(PROTO_OUT)
+protos/%_pb2.py: protos/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 # The stamp is keyed on the pinned requirements: a second run skips the install,
 # a changed pin reinstalls. torch goes first so deepspeed builds against it.

@@ -20,12 +20,18 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cactus.detokenize import IncrementalDetokenizer
-from cactus.errors import InvalidRequestError, RequestCancelledError
+from cactus.errors import (
+    InvalidRequestError,
+    RequestCancelledError,
+    StaleBlockError,
+    WorkerUnavailableError,
+)
 from cactus.params import GenerationRequest, Limits, validate_request
 from kernels import draw_uniforms, inverse_cdf_sample, processed_probs, speculative_accept
 from workers.interfaces import Drafter, Verifier
 
 VERIFY_SEED_SALT = 0x5EED_CAC7_0000_0001
+DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
 
 
 @dataclass
@@ -37,6 +43,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     divergence_nats: float = 0.0
+    draft_failures: int = 0  # the drafter failed; the request went on without drafts
     draft_s: float = 0.0
     verify_s: float = 0.0
     kernel_s: float = 0.0
@@ -58,6 +65,7 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
             "divergence_nats": self.divergence_nats,
+            "draft_failures": self.draft_failures,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "kernel_s": self.kernel_s,
@@ -105,6 +113,7 @@ class _State:
         )
         self.finish_reason: str | None = None
         self.released_chars = 0  # text already handed to the caller
+        self.drafting = request.speculation.rule != "none"  # False once the drafter failed
 
     @property
     def committed(self) -> int:
@@ -173,7 +182,11 @@ class SpeculativeEngine:
         if k == 0:
             return [self._plain_step(state)]
         t0 = time.perf_counter()
-        block = self.drafter.propose(state.id, k)  # propose
+        try:
+            block = self.drafter.propose(state.id, k)  # propose
+        except DRAFTER_FAILURES:
+            self._drafter_failed(state)
+            return [self._plain_step(state)]
         t1 = time.perf_counter()
         logits = self.verifier.score(state.id, list(block.token_ids))  # score: [K + 1, V]
         t2 = time.perf_counter()
@@ -199,7 +212,7 @@ class SpeculativeEngine:
         accepted = int(result.num_accepted[0])
         tokens = [int(t) for t in result.output_token_ids[0, : accepted + 1]]
         self.verifier.commit(state.id, accepted, tokens[-1])  # commit
-        self.drafter.commit(state.id, block.epoch, accepted, tokens[-1])
+        self._commit_drafter(state, block.epoch, accepted, tokens[-1])
         self._count(
             state, k, accepted, float(result.divergence_nats[0]), (t1 - t0, t2 - t1, t3 - t2)
         )
@@ -213,10 +226,23 @@ class SpeculativeEngine:
         q = processed_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
         token = int(inverse_cdf_sample(q, draw_uniforms([state.generator], 1)[:, 0])[0])
         self.verifier.commit(state.id, 0, token)
-        if state.request.speculation.rule != "none":
-            self.drafter.commit(state.id, state.committed, 0, token)
+        self._commit_drafter(state, state.committed, 0, token)
         state.stats.verify_s += time.perf_counter() - t0
         return token
+
+    def _commit_drafter(self, state: _State, epoch: int, accepted: int, token: int) -> None:
+        if not state.drafting:
+            return
+        try:
+            self.drafter.commit(state.id, epoch, accepted, token)
+        except DRAFTER_FAILURES:
+            self._drafter_failed(state)
+
+    def _drafter_failed(self, state: _State) -> None:
+        """Degrade to plain decoding for the rest of the request (serving.md)."""
+        state.drafting = False
+        state.stats.draft_failures += 1
+        self.drafter.release(state.id)
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -229,8 +255,11 @@ class SpeculativeEngine:
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         state = _State(request, prompt_ids, seed, self.eos_token_id)
         self.verifier.start(state.id, prompt_ids)
-        if request.speculation.rule != "none":
-            self.drafter.start(state.id, prompt_ids, request.sampling, seed)
+        if state.drafting:
+            try:
+                self.drafter.start(state.id, prompt_ids, request.sampling, seed)
+            except DRAFTER_FAILURES:
+                self._drafter_failed(state)
         return state
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -243,7 +272,7 @@ class SpeculativeEngine:
 
     def _num_draft_tokens(self, state: _State) -> int:
         """K, reduced near the end: never draft past max_tokens or the context."""
-        if state.request.speculation.rule == "none":
+        if not state.drafting:
             return 0
         k = state.request.speculation.num_speculative_tokens
         left = state.request.sampling.max_tokens - len(state.generated)

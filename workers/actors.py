@@ -1,0 +1,190 @@
+"""Ray actors: the draft actor (gRPC server) and the verifier ranks (rank 0 hosts the engine).
+
+Actors set torch to `threads` intra-op threads and ask for fractional CPUs, so a draft
+actor, two TP ranks and a Serve replica fit on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import ray
+
+from cactus.errors import RequestCancelledError
+
+
+def _quiet_hf() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+@ray.remote
+class DraftActor:
+    """Hosts the draft model and serves the speculation service on 127.0.0.1."""
+
+    def __init__(
+        self,
+        draft_dir: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        threads: int = 1,
+        lease_s: float = 120.0,
+    ) -> None:
+        import torch
+
+        _quiet_hf()
+        torch.set_num_threads(threads)
+        from workers.draft_service import DraftServicer
+        from workers.local import LocalDrafter
+        from workers.model_runner import ModelRunner
+
+        self.runner = ModelRunner(draft_dir, dtype=dtype, device=device)
+        self.servicer = DraftServicer(LocalDrafter(self.runner), default_lease_s=lease_s)
+        self.server = None
+        self.port = 0
+
+    async def serve(self, port: int = 0) -> str:
+        """Start the gRPC server (idempotent); returns host:port."""
+        from workers.draft_service import start_server
+
+        if self.server is None:
+            self.server, self.port = await start_server(self.servicer, port=port)
+            self._leases = asyncio.get_running_loop().create_task(self.servicer.expire_leases())
+        return f"127.0.0.1:{self.port}"
+
+    async def status(self) -> dict:
+        return {
+            "open_sessions": len(self.servicer.sessions),
+            "cached_sequences": self.runner.num_sequences,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "vocab_size": self.runner.vocab_size,
+        }
+
+    async def shutdown(self) -> None:
+        if self.server is not None:
+            self._leases.cancel()
+            await self.server.stop(grace=1.0)
+            self.server = None
+
+
+@ray.remote
+class VerifierRank:
+    """One tensor-parallel verifier rank. Rank 0 also runs the engine for its callers."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.runner = None
+        self.engine = None
+        self._cancelled: set[str] = set()
+        self._started_at = time.time()
+
+    def pick_port(self) -> int:
+        from workers.tp_verifier import free_port
+
+        return free_port()
+
+    def init(
+        self,
+        master_port: int,
+        verifier_dir: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        threads: int = 1,
+        shm_allreduce: bool = False,
+    ) -> dict:
+        """Join the group and load the shard (blocks until every rank has joined)."""
+        _quiet_hf()
+        from workers.tp_verifier import init_rank
+
+        self.runner = init_rank(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_port=master_port,
+            verifier_dir=verifier_dir,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            shm_allreduce=shm_allreduce,
+        )
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "vocab_size": self.runner.vocab_size,
+        }
+
+    def follow(self) -> int:
+        """Ranks >= 1: replay rank 0's cache operations until shutdown."""
+        from workers.tp_verifier import follow
+
+        return follow(self.runner)
+
+    def connect(self, draft_address: str, *, limits=None, timeout_s: float = 30.0) -> None:
+        """Rank 0: build the engine over the draft actor and the mirrored verifier."""
+        from workers.engine import SpeculativeEngine
+        from workers.grpc_drafter import GrpcDrafter
+        from workers.local import LocalVerifier
+        from workers.tp_verifier import MirroredRunner
+
+        self.mirror = MirroredRunner(self.runner, self.world_size)
+        self.drafter = GrpcDrafter(
+            draft_address, vocab_size=self.runner.vocab_size, timeout_s=timeout_s
+        )
+        self.engine = SpeculativeEngine(
+            self.drafter, LocalVerifier(self.mirror), self.runner.tokenizer, limits=limits
+        )
+
+    def model_info(self) -> dict:
+        r = self.runner
+        return {
+            "vocab_size": r.vocab_size,
+            "max_context": r.max_context,
+            "verifier": r.path,
+            "tp_size": self.world_size,
+        }
+
+    def generate(self, request):
+        return self.engine.generate(request, cancelled=self._is_cancelled(request.request_id))
+
+    def stream(self, request):
+        """Streaming generator (call with num_returns="streaming")."""
+        try:
+            yield from self.engine.stream(request, cancelled=self._is_cancelled(request.request_id))
+        except RequestCancelledError:
+            return
+        finally:
+            self._cancelled.discard(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self._cancelled.add(request_id)
+
+    def _is_cancelled(self, request_id: str):
+        return lambda: request_id in self._cancelled
+
+    def timings(self) -> dict:
+        return {
+            "broadcast_s": self.mirror.broadcast_s,
+            "rpc_s": self.drafter.rpc_s,
+            "remote_draft_s": self.drafter.remote_draft_s,
+        }
+
+    def cache_count(self) -> int:
+        return self.runner.num_sequences
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> list[str]:
+        from workers.tp_verifier import shutdown_rank
+
+        if self.rank == 0 and self.engine is not None:
+            self.mirror.stop_followers()
+            self.drafter.close()
+        return shutdown_rank(self.world_size, started_at=self._started_at)

@@ -1,0 +1,166 @@
+"""Start, health-check and shut down one distributed engine on a Ray cluster.
+
+One engine = a draft actor + tp_size verifier ranks. The ranks share one placement
+group (STRICT_PACK: tensor parallelism wants one node); the draft actor is scheduled by
+its own resources, which may name a custom resource to put it on another node.
+Callers talk to rank 0: `generate`, `stream`, `cancel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    num_cpus: float = 0.25
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom resources
+
+    def bundle(self) -> dict[str, float]:
+        out = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            out["GPU"] = self.num_gpus
+        return out
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    verifier_dir: str
+    draft_dir: str
+    tp_size: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"  # "cuda" on GPU nodes (nccl)
+    threads: int = 1  # torch intra-op threads per actor
+    draft: ActorResources = field(default_factory=ActorResources)
+    rank: ActorResources = field(default_factory=ActorResources)
+    shm_allreduce: bool = False  # DeepSpeed's shared-memory all-reduce (see tp_verifier)
+    lease_s: float = 120.0
+    rpc_timeout_s: float = 30.0
+    start_timeout_s: float = 300.0
+    max_concurrency: int = 32  # requests rank 0 serves at once (steps interleave)
+
+
+class EngineGroup:
+    def __init__(self, config: GroupConfig, *, limits=None) -> None:
+        if config.tp_size < 1:
+            raise ValueError(f"tp_size: must be >= 1, got {config.tp_size}")
+        self.config = config
+        self.limits = limits
+        self.draft = None
+        self.ranks: list = []
+        self.pg = None
+        self.followers: list = []
+        self.draft_address = ""
+        self.placement: dict = {}
+
+    def start(self) -> EngineGroup:
+        """Create the actors, join the TP group, connect rank 0 to the draft actor."""
+        from workers.actors import DraftActor, VerifierRank
+
+        c = self.config
+        timeout = c.start_timeout_s
+        self.pg = placement_group(
+            [c.rank.bundle() for _ in range(c.tp_size)], strategy="STRICT_PACK"
+        )
+        ray.get(self.pg.ready(), timeout=timeout)
+        self.draft = DraftActor.options(
+            num_cpus=c.draft.num_cpus,
+            num_gpus=c.draft.num_gpus,
+            resources=c.draft.resources or None,
+        ).remote(c.draft_dir, dtype=c.dtype, device=c.device, threads=c.threads, lease_s=c.lease_s)
+        self.ranks = [
+            VerifierRank.options(
+                num_cpus=c.rank.num_cpus,
+                num_gpus=c.rank.num_gpus,
+                resources=c.rank.resources or None,
+                max_concurrency=c.max_concurrency,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=i
+                ),
+            ).remote(i, c.tp_size)
+            for i in range(c.tp_size)
+        ]
+        port = ray.get(self.ranks[0].pick_port.remote(), timeout=timeout)
+        infos = ray.get(
+            [
+                r.init.remote(
+                    port,
+                    c.verifier_dir,
+                    dtype=c.dtype,
+                    device=c.device,
+                    threads=c.threads,
+                    shm_allreduce=c.shm_allreduce,
+                )
+                for r in self.ranks
+            ],
+            timeout=timeout,
+        )
+        self.followers = [r.follow.remote() for r in self.ranks[1:]]
+        self.draft_address = ray.get(self.draft.serve.remote(), timeout=timeout)
+        ray.get(
+            self.ranks[0].connect.remote(
+                self.draft_address, limits=self.limits, timeout_s=c.rpc_timeout_s
+            ),
+            timeout=timeout,
+        )
+        draft_status = ray.get(self.draft.status.remote(), timeout=timeout)
+        self.placement = {
+            "draft": draft_status["node_id"],
+            "ranks": [info["node_id"] for info in infos],
+        }
+        return self
+
+    @property
+    def rank0(self):
+        return self.ranks[0]
+
+    def generate(self, request):
+        return ray.get(self.rank0.generate.remote(request))
+
+    def stream(self, request):
+        """Iterate GenerationChunk objects as rank 0 produces them."""
+        for ref in self.rank0.stream.options(num_returns="streaming").remote(request):
+            yield ray.get(ref)
+
+    def cancel(self, request_id: str) -> None:
+        self.rank0.cancel.remote(request_id)
+
+    def healthy(self, timeout_s: float = 10.0) -> bool:
+        """True when the draft actor and every verifier rank answer."""
+        try:
+            ray.get(
+                [self.draft.status.remote(), *[r.ping.remote() for r in self.ranks]],
+                timeout=timeout_s,
+            )
+            return True
+        except Exception:
+            return False
+
+    def cache_counts(self) -> dict:
+        draft = ray.get(self.draft.status.remote())
+        return {
+            "draft": draft["cached_sequences"],
+            "draft_sessions": draft["open_sessions"],
+            "rank0": ray.get(self.rank0.cache_count.remote()),
+        }
+
+    def shutdown(self) -> None:
+        """Stop the followers, leave the process group, kill the actors."""
+        if not self.ranks:
+            return
+        try:
+            ray.get(self.rank0.shutdown.remote(), timeout=60)
+            ray.get(self.followers, timeout=60)
+            ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=60)
+            ray.get(self.draft.shutdown.remote(), timeout=30)
+        finally:
+            for actor in [*self.ranks, self.draft]:
+                ray.kill(actor)
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+            self.ranks, self.draft, self.pg = [], None, None

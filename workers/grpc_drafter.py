@@ -1,0 +1,133 @@
+"""The Drafter interface over gRPC: the verifier's rank 0 calling the draft actor.
+
+Every received block is checked (workers/wire.decode_block) against this side's own
+committed length and the last block it applied before anything is used: a stale,
+repeated or malformed block raises StaleBlockError and is dropped. Transport failures
+raise WorkerUnavailableError; the engine then finishes the request without drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from cactus.errors import StaleBlockError, WorkerUnavailableError
+from cactus.params import SamplingParams
+from protos.cactus.internal.v1 import speculation_pb2 as pb
+from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
+from workers.interfaces import DraftBlock
+from workers.wire import decode_block
+
+
+@dataclass
+class _ClientSession:
+    committed: int
+    applied_seq: int = 0
+    pending_seq: int = 0
+
+
+class GrpcDrafter:
+    def __init__(
+        self,
+        address: str,
+        *,
+        vocab_size: int,
+        timeout_s: float = 30.0,
+        lease_s: float = 120.0,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.address = address
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.lease_s = lease_s
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.SpeculationStub(self._channel)
+        self._sessions: dict[str, _ClientSession] = {}
+        self.rpc_s = 0.0  # wall time in Propose calls
+        self.remote_draft_s = 0.0  # of which the draft side spent drafting
+
+    def _call(self, method, msg):
+        try:
+            return method(msg, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StaleBlockError(err.details()) from None
+            raise WorkerUnavailableError(
+                f"draft actor: {err.code().name}: {err.details()}"
+            ) from None
+
+    def start(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
+    ) -> None:
+        msg = pb.OpenSession(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_ids),
+            sampling=pb.SamplingParams(
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+            ),
+            seed=seed,
+            lease_s=self.lease_s,
+        )
+        self._call(self._stub.Open, msg)
+        self._sessions[request_id] = _ClientSession(committed=len(prompt_ids))
+
+    def propose(self, request_id: str, k: int) -> DraftBlock:
+        session = self._sessions[request_id]
+        start = time.perf_counter()
+        msg = self._call(
+            self._stub.Propose,
+            pb.ProposeRequest(request_id=request_id, epoch=session.committed, num_tokens=k),
+        )
+        self.rpc_s += time.perf_counter() - start
+        self.remote_draft_s += msg.draft_s
+        block = self.check(msg, request_id, k)
+        session.pending_seq = msg.block_seq
+        return block
+
+    def check(self, msg: pb.DraftBlock, request_id: str, k: int) -> DraftBlock:
+        """Validate a received block against this request's state (drops bad ones)."""
+        session = self._sessions[request_id]
+        return decode_block(
+            msg,
+            expect_request=request_id,
+            expect_epoch=session.committed,
+            last_seq=session.applied_seq,
+            k=k,
+            vocab=self.vocab_size,
+        )
+
+    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+        session = self._sessions[request_id]
+        self._call(
+            self._stub.Commit,
+            pb.CommitRequest(
+                request_id=request_id,
+                epoch=epoch,
+                block_seq=session.pending_seq,
+                num_accepted=num_accepted,
+                next_token=next_token,
+            ),
+        )
+        session.applied_seq = max(session.applied_seq, session.pending_seq)
+        session.pending_seq = 0
+        session.committed = epoch + num_accepted + 1
+
+    def release(self, request_id: str) -> None:
+        if self._sessions.pop(request_id, None) is None:
+            return
+        try:
+            self._stub.Close(pb.CloseSession(request_id=request_id), timeout=self.timeout_s)
+        except grpc.RpcError:
+            pass  # the draft side's lease frees it
+
+    def status(self) -> pb.StatusReply:
+        return self._call(self._stub.Status, pb.StatusRequest())
+
+    def close(self) -> None:
+        self._channel.close()
