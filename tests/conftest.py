@@ -7,6 +7,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# Ray 2.60 on a loopback-only test machine (../shared/spec/stack.md).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest
 import torch
@@ -70,3 +75,15 @@ def heldout_prompts(embedded_engine):
             break
     assert len(prompts) == 16
     return prompts
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """A real local Ray head for the whole test session (loopback, auth off)."""
+    import ray
+
+    tmp = f"/tmp/ray-cactus-{os.getpid()}"
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             configure_logging=False)
+    yield ray
+    ray.shutdown()

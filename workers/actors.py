@@ -168,6 +168,15 @@ class VerifierRank:
     def _is_cancelled(self, request_id: str):
         return lambda: request_id in self._cancelled
 
+    def logits(self, token_ids: list[int]) -> "torch.Tensor":  # noqa: F821
+        """Verifier logits [n, V] for a token sequence, through the sharded model."""
+        seq = f"logits-{time.monotonic_ns()}"
+        self.mirror.start(seq)
+        try:
+            return self.mirror.forward(seq, token_ids)
+        finally:
+            self.mirror.release(seq)
+
     def timings(self) -> dict:
         return {
             "broadcast_s": self.mirror.broadcast_s,

@@ -8,9 +8,11 @@ Callers talk to rank 0: `generate`, `stream`, `cancel`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -153,14 +155,17 @@ class EngineGroup:
         """Stop the followers, leave the process group, kill the actors."""
         if not self.ranks:
             return
-        try:
-            ray.get(self.rank0.shutdown.remote(), timeout=60)
-            ray.get(self.followers, timeout=60)
-            ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=60)
-            ray.get(self.draft.shutdown.remote(), timeout=30)
-        finally:
-            for actor in [*self.ranks, self.draft]:
-                ray.kill(actor)
-            if self.pg is not None:
-                remove_placement_group(self.pg)
-            self.ranks, self.draft, self.pg = [], None, None
+        steps = [
+            lambda: ray.get(self.rank0.shutdown.remote(), timeout=60),
+            lambda: ray.get(self.followers, timeout=60),
+            lambda: ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=60),
+            lambda: ray.get(self.draft.shutdown.remote(), timeout=30),
+        ]
+        for step in steps:  # each best effort: a dead actor must not block the rest
+            with contextlib.suppress(RayError, GetTimeoutError):
+                step()
+        for actor in [*self.ranks, self.draft]:
+            ray.kill(actor)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        self.ranks, self.draft, self.pg = [], None, None

@@ -8,6 +8,7 @@ raise WorkerUnavailableError; the engine then finishes the request without draft
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -121,10 +122,8 @@ class GrpcDrafter:
     def release(self, request_id: str) -> None:
         if self._sessions.pop(request_id, None) is None:
             return
-        try:
+        with contextlib.suppress(grpc.RpcError):  # else the draft side's lease frees it
             self._stub.Close(pb.CloseSession(request_id=request_id), timeout=self.timeout_s)
-        except grpc.RpcError:
-            pass  # the draft side's lease frees it
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())

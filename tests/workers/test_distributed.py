@@ -1,0 +1,161 @@
+"""The distributed engine on a real local Ray: draft actor + DeepSpeed AutoTP verifier
+ranks exchanging draft blocks over gRPC, against the in-process engine."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+import ray
+import torch
+
+from cactus.errors import StaleBlockError
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from protos.cactus.internal.v1 import speculation_pb2 as pb
+from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
+from tests.conftest import embedded_dirs
+from workers.grpc_drafter import GrpcDrafter
+from workers.group import EngineGroup, GroupConfig
+from workers.tp_verifier import SHM_PREFIX
+
+pytestmark = pytest.mark.slow
+
+
+def _req(prompt, rid, *, rule="cactus", delta=1.0, **sampling):
+    sampling.setdefault("max_tokens", 32)
+    return GenerationRequest(prompt=prompt, request_id=rid, sampling=SamplingParams(**sampling),
+                             speculation=SpeculationParams(rule=rule, delta=delta))
+
+
+@pytest.fixture(scope="module")
+def groups(ray_session):
+    verifier, draft = embedded_dirs()
+    started = {tp: EngineGroup(GroupConfig(verifier, draft, tp_size=tp)).start() for tp in (1, 2)}
+    yield started
+    for group in started.values():
+        group.shutdown()
+
+
+def test_tp2_logits_match_the_unsharded_model(groups, embedded_engine):
+    ids = embedded_engine.tokenizer.encode("def add(a, b):\n    return a + b\n\n\nclass Point:")
+    sharded = ray.get(groups[2].rank0.logits.remote(ids))
+    runner = embedded_engine.verifier.runner
+    with torch.inference_mode():
+        full = runner.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    assert float((sharded - full).abs().max()) < 1e-5
+
+
+def test_greedy_distributed_equals_in_process_and_verifier_only(groups, embedded_engine,
+                                                                 heldout_prompts):
+    for i, prompt in enumerate(heldout_prompts[:8]):
+        plain = embedded_engine.generate(_req(prompt, f"p{i}", rule="none", temperature=0.0))
+        local = embedded_engine.generate(_req(prompt, f"l{i}", temperature=0.0))
+        assert local.token_ids == plain.token_ids
+        for tp, group in groups.items():
+            dist = group.generate(_req(prompt, f"g{tp}-{i}", temperature=0.0))
+            assert dist.token_ids == plain.token_ids, (tp, i)
+
+
+@pytest.mark.parametrize("rule", ["sps", "cactus"])
+def test_seeded_sampling_distributed_equals_in_process(groups, embedded_engine, heldout_prompts,
+                                                       rule):
+    for i, prompt in enumerate(heldout_prompts[8:11]):
+        kw = {"temperature": 0.8, "top_k": 40, "seed": 1000 + i}
+        local = embedded_engine.generate(_req(prompt, f"ls{i}", rule=rule, **kw))
+        for tp, group in groups.items():
+            dist = group.generate(_req(prompt, f"ds{tp}-{rule}-{i}", rule=rule, **kw))
+            assert dist.token_ids == local.token_ids, (tp, i)
+            assert dist.stats.num_accepted_tokens == local.stats.num_accepted_tokens
+
+
+def test_concurrent_requests_do_not_cross_talk(groups, embedded_engine, heldout_prompts):
+    specs = [("sps", 0.0, 1), ("cactus", 1.0, 2), ("cactus_exact", 0.5, 3), ("tas", 0.0, 4)]
+    reqs = [_req(heldout_prompts[i], f"cc{i}", rule=r, delta=d, seed=s, temperature=0.9)
+            for i, (r, d, s) in enumerate(specs)]
+    group = groups[2]
+    refs = [group.rank0.generate.remote(r) for r in reqs]  # rank 0 interleaves their steps
+    together = ray.get(refs)
+    for req, got in zip(reqs, together, strict=True):
+        solo = embedded_engine.generate(req)
+        assert got.token_ids == solo.token_ids, req.speculation.rule
+
+
+def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
+    group = groups[1]
+    ids = embedded_engine.tokenizer.encode("import os\n")
+    client = GrpcDrafter(group.draft_address, vocab_size=embedded_engine.verifier.vocab_size)
+    stub = pb_grpc.SpeculationStub(grpc.insecure_channel(group.draft_address))
+    client.start("proto", ids, SamplingParams(temperature=1.0), seed=5)
+    msg = stub.Propose(pb.ProposeRequest(request_id="proto", epoch=len(ids), num_tokens=3))
+    block = client.check(msg, "proto", 3)
+    # The draft side refuses a second block before this one is committed, and a stale epoch.
+    for epoch in (len(ids), len(ids) - 1):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Propose(pb.ProposeRequest(request_id="proto", epoch=epoch, num_tokens=3))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    client._sessions["proto"].pending_seq = msg.block_seq
+    client.commit("proto", len(ids), 1, block.token_ids[1])
+    committed = len(ids) + 2
+    # The same commit again is acknowledged but not applied twice.
+    again = stub.Commit(pb.CommitRequest(request_id="proto", epoch=len(ids),
+                                         block_seq=msg.block_seq, num_accepted=1, next_token=7))
+    assert again.committed == committed
+    # Verifier side: the old block is now stale (epoch) and already applied (seq).
+    with pytest.raises(StaleBlockError, match="epoch"):
+        client.check(msg, "proto", 3)
+    fresh = stub.Propose(pb.ProposeRequest(request_id="proto", epoch=committed, num_tokens=3))
+    replay = pb.DraftBlock()
+    replay.CopyFrom(fresh)
+    replay.block_seq = msg.block_seq
+    with pytest.raises(StaleBlockError, match="already applied"):
+        client.check(replay, "proto", 3)
+    bad = pb.DraftBlock()
+    bad.CopyFrom(fresh)
+    bad.token_ids[0] = 10**6
+    with pytest.raises(StaleBlockError, match="outside"):
+        client.check(bad, "proto", 3)
+    assert client.check(fresh, "proto", 3).token_ids == tuple(fresh.token_ids)
+    client.release("proto")
+    assert group.cache_counts()["draft"] == 0
+
+
+def test_cancel_frees_caches_on_both_sides(groups, heldout_prompts):
+    group = groups[2]
+    seen = 0
+    for _chunk in group.stream(_req(heldout_prompts[0], "cancel-me", max_tokens=200,
+                                    temperature=1.0, seed=1)):
+        seen += 1
+        if seen == 2:
+            group.cancel("cancel-me")
+    assert seen < 60
+    counts = group.cache_counts()
+    assert counts == {"draft": 0, "draft_sessions": 0, "rank0": 0}
+
+
+def test_dead_draft_actor_degrades_to_plain_decoding(ray_session, embedded_engine,
+                                                     heldout_prompts):
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
+    try:
+        ray.kill(group.draft)
+        req = _req(heldout_prompts[1], "orphan", temperature=0.0)
+        got = group.generate(req)
+        want = embedded_engine.generate(_req(heldout_prompts[1], "o2", rule="none",
+                                             temperature=0.0))
+        assert got.token_ids == want.token_ids and got.stats.draft_failures == 1
+    finally:
+        group.shutdown()
+
+
+def test_shutdown_leaves_no_actors_or_shm(ray_session):
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(GroupConfig(verifier, draft, tp_size=2)).start()
+    handles = [(group.draft, "status"), *[(r, "ping") for r in group.ranks]]
+    assert group.healthy()
+    group.shutdown()
+    for actor, method in handles:  # every actor of the group is gone
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(getattr(actor, method).remote(), timeout=30)
+    shm = os.path.dirname(SHM_PREFIX)
+    assert not [n for n in os.listdir(shm) if n.startswith(os.path.basename(SHM_PREFIX))]
