@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos test lint format bench-kernels generate models clean
+.PHONY: setup protos test lint format bench-kernels bench-distributed generate models clean
 
 setup: $(STAMP) protos
 
@@ -51,6 +51,9 @@ format: setup
 
 bench-kernels: setup
 	$(PY) -m benchmarks.bench_kernels
+
+bench-distributed: setup
+	$(PY) -m benchmarks.bench_distributed
 
 PROMPT ?= def fibonacci(n):
 generate: setup

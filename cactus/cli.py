@@ -42,6 +42,13 @@ def _generate_parser(sub) -> None:
     p.add_argument("--draft", default=str(DEFAULT_DRAFT))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="local: in-process engine; ray: draft actor + TP verifier on a local Ray",
+    )
+    p.add_argument("--tp", type=int, default=1, help="verifier tensor-parallel ranks (ray)")
 
 
 def build_request(args):
@@ -82,6 +89,14 @@ def result_json(result) -> dict:
     }
 
 
+RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled",  # Ray 2.60's token auth breaks the serve CLI; loopback only
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind 127.0.0.1
+    "DS_ACCELERATOR": "cpu",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
 def _quiet() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -102,12 +117,11 @@ def generate(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         request = build_request(args)
-        engine = local_engine(args.verifier, args.draft, dtype=args.dtype)
-        result = None
-        for chunk in engine.stream(request):
-            if args.stream and chunk.text:
-                print(chunk.text, end="", flush=True)
-            result = chunk.result or result
+        if args.backend == "ray":
+            result = _run_ray(args, request)
+        else:
+            engine = local_engine(args.verifier, args.draft, dtype=args.dtype)
+            result = _consume(engine.stream(request), args.stream)
     except (InvalidRequestError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -118,6 +132,40 @@ def generate(args) -> int:
     elif not args.stream:
         print(result.text)
     return 0
+
+
+def _consume(chunks, stream: bool):
+    result = None
+    for chunk in chunks:
+        if stream and chunk.text:
+            print(chunk.text, end="", flush=True)
+        result = chunk.result or result
+    return result
+
+
+def _run_ray(args, request):
+    """A local Ray started for this call: draft actor + args.tp verifier ranks."""
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    from workers.group import EngineGroup, GroupConfig
+
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    group = None
+    try:
+        group = EngineGroup(
+            GroupConfig(args.verifier, args.draft, tp_size=args.tp, dtype=args.dtype)
+        ).start()
+        if not request.request_id:
+            from dataclasses import replace
+
+            request = replace(request, request_id="cli-0")
+        return _consume(group.stream(request), args.stream)
+    finally:
+        if group is not None:
+            group.shutdown()
+        ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,7 +83,12 @@ def ray_session(tmp_path_factory):
     import ray
 
     tmp = f"/tmp/ray-cactus-{os.getpid()}"
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             configure_logging=False)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     yield ray
     ray.shutdown()

@@ -168,7 +168,7 @@ class VerifierRank:
     def _is_cancelled(self, request_id: str):
         return lambda: request_id in self._cancelled
 
-    def logits(self, token_ids: list[int]) -> "torch.Tensor":  # noqa: F821
+    def logits(self, token_ids: list[int]) -> torch.Tensor:  # noqa: F821
         """Verifier logits [n, V] for a token sequence, through the sharded model."""
         seq = f"logits-{time.monotonic_ns()}"
         self.mirror.start(seq)

@@ -74,6 +74,8 @@ class DraftServicer(pb_grpc.SpeculationServicer):
 
     async def Propose(self, request, context):
         session = await self._session(request.request_id, context)
+        for commit in request.commits:
+            await self._apply_commit(session, commit, context)
         if request.epoch != session.committed:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -97,13 +99,14 @@ class DraftServicer(pb_grpc.SpeculationServicer):
 
     async def Commit(self, request, context):
         session = await self._session(request.request_id, context)
-        ack = pb.SessionAck(request_id=request.request_id)
+        await self._apply_commit(session, request, context)
+        return pb.SessionAck(request_id=request.request_id, committed=session.committed)
+
+    async def _apply_commit(self, session: _Session, request, context) -> None:
         if request.block_seq and request.block_seq <= session.applied_seq:
-            ack.committed = session.committed  # a repeat: already applied, ignore
-            return ack
+            return  # a repeat of an applied block: acknowledged, never applied twice
         if request.block_seq == 0 and request.epoch < session.committed:
-            ack.committed = session.committed  # a repeated plain-decoding commit
-            return ack
+            return  # a repeated plain-decoding commit
         wanted = session.proposed_seq if session.outstanding else 0
         if request.block_seq != wanted or request.epoch != session.committed:
             await context.abort(
@@ -121,8 +124,6 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         session.committed = request.epoch + request.num_accepted + 1
         session.applied_seq = max(session.applied_seq, request.block_seq)
         session.outstanding = False
-        ack.committed = session.committed
-        return ack
 
     async def Close(self, request, context):
         await self._close(request.request_id)

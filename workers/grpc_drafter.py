@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -27,6 +27,7 @@ class _ClientSession:
     committed: int
     applied_seq: int = 0
     pending_seq: int = 0
+    unsent: list = field(default_factory=list)  # commits to piggyback on the next Propose
 
 
 class GrpcDrafter:
@@ -118,6 +119,13 @@ class GrpcDrafter:
         session.applied_seq = max(session.applied_seq, session.pending_seq)
         session.pending_seq = 0
         session.committed = epoch + num_accepted + 1
+
+    def flush(self, request_id: str) -> None:
+        """Send the recorded commits now (tests drive the protocol step by step)."""
+        session = self._sessions[request_id]
+        for commit in session.unsent:
+            self._call(self._stub.Commit, commit)
+        session.unsent = []
 
     def release(self, request_id: str) -> None:
         if self._sessions.pop(request_id, None) is None:

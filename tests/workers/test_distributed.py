@@ -15,8 +15,8 @@ from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from tests.conftest import embedded_dirs
-from workers.grpc_drafter import GrpcDrafter
 from workers.group import EngineGroup, GroupConfig
+from workers.grpc_drafter import GrpcDrafter
 from workers.tp_verifier import SHM_PREFIX
 
 pytestmark = pytest.mark.slow
@@ -24,8 +24,12 @@ pytestmark = pytest.mark.slow
 
 def _req(prompt, rid, *, rule="cactus", delta=1.0, **sampling):
     sampling.setdefault("max_tokens", 32)
-    return GenerationRequest(prompt=prompt, request_id=rid, sampling=SamplingParams(**sampling),
-                             speculation=SpeculationParams(rule=rule, delta=delta))
+    return GenerationRequest(
+        prompt=prompt,
+        request_id=rid,
+        sampling=SamplingParams(**sampling),
+        speculation=SpeculationParams(rule=rule, delta=delta),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +50,9 @@ def test_tp2_logits_match_the_unsharded_model(groups, embedded_engine):
     assert float((sharded - full).abs().max()) < 1e-5
 
 
-def test_greedy_distributed_equals_in_process_and_verifier_only(groups, embedded_engine,
-                                                                 heldout_prompts):
+def test_greedy_distributed_equals_in_process_and_verifier_only(
+    groups, embedded_engine, heldout_prompts
+):
     for i, prompt in enumerate(heldout_prompts[:8]):
         plain = embedded_engine.generate(_req(prompt, f"p{i}", rule="none", temperature=0.0))
         local = embedded_engine.generate(_req(prompt, f"l{i}", temperature=0.0))
@@ -58,8 +63,9 @@ def test_greedy_distributed_equals_in_process_and_verifier_only(groups, embedded
 
 
 @pytest.mark.parametrize("rule", ["sps", "cactus"])
-def test_seeded_sampling_distributed_equals_in_process(groups, embedded_engine, heldout_prompts,
-                                                       rule):
+def test_seeded_sampling_distributed_equals_in_process(
+    groups, embedded_engine, heldout_prompts, rule
+):
     for i, prompt in enumerate(heldout_prompts[8:11]):
         kw = {"temperature": 0.8, "top_k": 40, "seed": 1000 + i}
         local = embedded_engine.generate(_req(prompt, f"ls{i}", rule=rule, **kw))
@@ -71,8 +77,10 @@ def test_seeded_sampling_distributed_equals_in_process(groups, embedded_engine, 
 
 def test_concurrent_requests_do_not_cross_talk(groups, embedded_engine, heldout_prompts):
     specs = [("sps", 0.0, 1), ("cactus", 1.0, 2), ("cactus_exact", 0.5, 3), ("tas", 0.0, 4)]
-    reqs = [_req(heldout_prompts[i], f"cc{i}", rule=r, delta=d, seed=s, temperature=0.9)
-            for i, (r, d, s) in enumerate(specs)]
+    reqs = [
+        _req(heldout_prompts[i], f"cc{i}", rule=r, delta=d, seed=s, temperature=0.9)
+        for i, (r, d, s) in enumerate(specs)
+    ]
     group = groups[2]
     refs = [group.rank0.generate.remote(r) for r in reqs]  # rank 0 interleaves their steps
     together = ray.get(refs)
@@ -96,10 +104,18 @@ def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     client._sessions["proto"].pending_seq = msg.block_seq
     client.commit("proto", len(ids), 1, block.token_ids[1])
+    client.flush("proto")
     committed = len(ids) + 2
     # The same commit again is acknowledged but not applied twice.
-    again = stub.Commit(pb.CommitRequest(request_id="proto", epoch=len(ids),
-                                         block_seq=msg.block_seq, num_accepted=1, next_token=7))
+    again = stub.Commit(
+        pb.CommitRequest(
+            request_id="proto",
+            epoch=len(ids),
+            block_seq=msg.block_seq,
+            num_accepted=1,
+            next_token=7,
+        )
+    )
     assert again.committed == committed
     # Verifier side: the old block is now stale (epoch) and already applied (seq).
     with pytest.raises(StaleBlockError, match="epoch"):
@@ -123,8 +139,9 @@ def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
 def test_cancel_frees_caches_on_both_sides(groups, heldout_prompts):
     group = groups[2]
     seen = 0
-    for _chunk in group.stream(_req(heldout_prompts[0], "cancel-me", max_tokens=200,
-                                    temperature=1.0, seed=1)):
+    for _chunk in group.stream(
+        _req(heldout_prompts[0], "cancel-me", max_tokens=200, temperature=1.0, seed=1)
+    ):
         seen += 1
         if seen == 2:
             group.cancel("cancel-me")
@@ -133,16 +150,16 @@ def test_cancel_frees_caches_on_both_sides(groups, heldout_prompts):
     assert counts == {"draft": 0, "draft_sessions": 0, "rank0": 0}
 
 
-def test_dead_draft_actor_degrades_to_plain_decoding(ray_session, embedded_engine,
-                                                     heldout_prompts):
+def test_dead_draft_actor_degrades_to_plain_decoding(ray_session, embedded_engine, heldout_prompts):
     verifier, draft = embedded_dirs()
     group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
     try:
         ray.kill(group.draft)
         req = _req(heldout_prompts[1], "orphan", temperature=0.0)
         got = group.generate(req)
-        want = embedded_engine.generate(_req(heldout_prompts[1], "o2", rule="none",
-                                             temperature=0.0))
+        want = embedded_engine.generate(
+            _req(heldout_prompts[1], "o2", rule="none", temperature=0.0)
+        )
         assert got.token_ids == want.token_ids and got.stats.draft_failures == 1
     finally:
         group.shutdown()

@@ -1,0 +1,173 @@
+"""Single-stream throughput: in-process engine vs distributed TP=1 vs TP=2.
+
+`make bench-distributed` (or `python -m benchmarks.bench_distributed [--quick]`).
+Every configuration runs the same requests (held-out prompts, fixed seeds), interleaved
+round by round in one run, so the machine's noise hits all of them alike. Every actor
+and the in-process engine use the same number of torch threads (--threads, default 1).
+Prints tokens/s (median over requests), the ratio to the in-process engine, and the
+per-step breakdown in milliseconds:
+
+    draft      draft-model compute (on the draft actor for the distributed engine)
+    grpc       propose round trip minus the draft compute (transport + serialisation)
+    verify     verifier forward (for TP: including the all-reduces), minus broadcast
+    bcast      rank 0 broadcasting the step's operations to the other ranks
+    kernel     sampling processing + the acceptance kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+
+RULES = (("sps", 0.0), ("cactus", 1.0))
+
+
+def _prompts(tokenizer, n: int) -> list[str]:
+    from models.corpus import load_texts
+
+    out = []
+    for _path, text in load_texts("heldout"):
+        body = text.lstrip()
+        if len(body) >= 400:
+            out.append(tokenizer.decode(tokenizer.encode(body, add_special_tokens=False)[:32]))
+        if len(out) == n:
+            return out
+    return out
+
+
+def _request(prompt: str, rid: str, rule: str, delta: float, max_tokens: int, seed: int):
+    return GenerationRequest(
+        prompt=prompt,
+        request_id=rid,
+        sampling=SamplingParams(
+            max_tokens=max_tokens, temperature=0.6, top_k=20, top_p=0.95, seed=seed
+        ),
+        speculation=SpeculationParams(rule=rule, delta=delta, num_speculative_tokens=4),
+    )
+
+
+class _Runner:
+    """One configuration: runs a request, returns (seconds, result, extra timings)."""
+
+    def __init__(self, name: str, run, timings=None) -> None:
+        self.name = name
+        self._run = run
+        self._timings = timings or (lambda: {})
+
+    def __call__(self, request):
+        before = self._timings()
+        start = time.perf_counter()
+        result = self._run(request)
+        wall = time.perf_counter() - start
+        after = self._timings()
+        return wall, result, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 1 round, 24 tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--verifier", default=None)
+    parser.add_argument("--draft", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.prompts, args.max_tokens = 1, 2, 24
+    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER, RAY_ENV
+
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray
+    import torch
+
+    from workers.group import EngineGroup, GroupConfig
+    from workers.local import local_engine
+
+    verifier = args.verifier or str(DEFAULT_VERIFIER)
+    draft = args.draft or str(DEFAULT_DRAFT)
+    torch.set_num_threads(args.threads)
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    groups = {}
+    try:
+        local = local_engine(verifier, draft)
+        runners = [_Runner("in-process", local.generate)]
+        for tp in (1, 2):
+            groups[tp] = EngineGroup(
+                GroupConfig(verifier, draft, tp_size=tp, threads=args.threads)
+            ).start()
+            rank0 = groups[tp].rank0
+            runners.append(
+                _Runner(
+                    f"distributed TP={tp}",
+                    groups[tp].generate,
+                    lambda r=rank0: ray.get(r.timings.remote()),
+                )
+            )
+        prompts = _prompts(local.tokenizer, args.prompts)
+        for runner in runners:  # warm-up
+            runner(_request(prompts[0], f"warm-{runner.name}", "cactus", 1.0, 8, 0))
+        samples = _measure(runners, prompts, args)
+        _report(samples, args)
+    finally:
+        for group in groups.values():
+            group.shutdown()
+        ray.shutdown()
+
+
+def _measure(runners, prompts, args) -> dict:
+    samples: dict[tuple[str, str], list[tuple]] = {}
+    n = 0
+    for rnd in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            for rule, delta in RULES:
+                for runner in runners:
+                    n += 1
+                    req = _request(prompt, f"b{n}", rule, delta, args.max_tokens, 100 * rnd + i)
+                    samples.setdefault((runner.name, rule), []).append(runner(req))
+    return samples
+
+
+def _report(samples: dict, args) -> None:
+    print(
+        f"# single stream, temperature 0.6 top_k 20 top_p 0.95, K=4, {args.max_tokens} tokens, "
+        f"{args.prompts} prompts x {args.rounds} rounds, {args.threads} thread(s) per process"
+    )
+    print(
+        "| engine | rule | tok/s | vs in-process | accept len | draft | grpc | verify | bcast "
+        "| kernel | ms/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {}
+    for (name, rule), runs in samples.items():
+        tps = statistics.median(len(r.token_ids) / wall for wall, r, _ in runs)
+        if name == "in-process":
+            base[rule] = tps
+        steps = sum(r.stats.num_drafts for _, r, _ in runs) or 1
+        st = [r.stats for _, r, _ in runs]
+        extra = {
+            k: sum(x.get(k, 0.0) for _, _, x in runs)
+            for k in ("rpc_s", "remote_draft_s", "broadcast_s")
+        }
+        draft = extra["remote_draft_s"] if extra["rpc_s"] else sum(s.draft_s for s in st)
+        grpc_ms = (extra["rpc_s"] - extra["remote_draft_s"]) / steps * 1e3
+        verify = sum(s.verify_s for s in st) - extra["broadcast_s"]
+        kernel = sum(s.kernel_s for s in st)
+        wall = sum(w for w, _, _ in runs)
+        accept = statistics.mean(s.mean_acceptance_length for s in st)
+        print(
+            f"| {name} | {rule} | {tps:.1f} | {tps / base[rule]:.2f}x | {accept:.2f} | "
+            f"{draft / steps * 1e3:.1f} | {grpc_ms:.1f} | {verify / steps * 1e3:.1f} | "
+            f"{extra['broadcast_s'] / steps * 1e3:.1f} | {kernel / steps * 1e3:.1f} | "
+            f"{wall / steps * 1e3:.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
