@@ -44,6 +44,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     request_id: str = ""
+    time_limit_s: float | None = None  # the request ends with TIME_LIMIT past this
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ def validate_request(
     context-length checks need it; the rest do not).
     """
     _validate_prompt(request, limits)
+    if request.time_limit_s is not None:
+        _finite_in("time_limit_s", request.time_limit_s, 0.0, math.inf, low_open=True)
     _validate_sampling(request.sampling, limits, prompt_len)
     _validate_speculation(request.speculation, limits)
 

@@ -1,0 +1,5 @@
+"""gRPC client library for the Cactus server."""
+
+from client.client import CactusClient
+
+__all__ = ["CactusClient"]

@@ -114,6 +114,8 @@ class _State:
         self.finish_reason: str | None = None
         self.released_chars = 0  # text already handed to the caller
         self.drafting = request.speculation.rule != "none"  # False once the drafter failed
+        limit = request.time_limit_s
+        self.deadline = time.monotonic() + limit if limit else None
 
     @property
     def committed(self) -> int:
@@ -161,6 +163,10 @@ class SpeculativeEngine:
             while state.finish_reason is None:
                 if cancelled is not None and cancelled():
                     raise RequestCancelledError(f"request {state.id} cancelled")
+                if state.deadline is not None and time.monotonic() > state.deadline:
+                    state.finish_reason = "TIME_LIMIT"
+                    detok.flush()
+                    break
                 new_tokens = self._emit(state, self.step(state), detok)
                 text = self._releasable(state, detok)
                 if new_tokens or text:

@@ -48,7 +48,13 @@ class GroupConfig:
 
 
 class EngineGroup:
-    def __init__(self, config: GroupConfig, *, limits=None) -> None:
+    """`placement_group`: an existing group to start in (a Serve replica's): the draft
+    actor takes bundle `first_bundle`, rank i bundle first_bundle + 1 + i. Without it the
+    group makes its own: one STRICT_PACK bundle per rank, the draft actor outside."""
+
+    def __init__(
+        self, config: GroupConfig, *, limits=None, placement_group=None, first_bundle: int = 0
+    ) -> None:
         if config.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {config.tp_size}")
         self.config = config
@@ -56,6 +62,8 @@ class EngineGroup:
         self.draft = None
         self.ranks: list = []
         self.pg = None
+        self.outer_pg = placement_group
+        self.first_bundle = first_bundle
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
@@ -128,6 +136,29 @@ class EngineGroup:
         """Iterate GenerationChunk objects as rank 0 produces them."""
         for ref in self.rank0.stream.options(num_returns="streaming").remote(request):
             yield ray.get(ref)
+
+    async def agenerate(self, request):
+        return await self.rank0.generate.remote(request)
+
+    async def astream(self, request):
+        """Async iteration of GenerationChunk objects (for the Serve ingress)."""
+        async for ref in self.rank0.stream.options(num_returns="streaming").remote(request):
+            yield await ref
+
+    def model_info(self) -> dict:
+        return ray.get(self.rank0.model_info.remote())
+
+    async def ahealthy(self, timeout_s: float = 10.0) -> bool:
+        import asyncio
+
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(self.draft.status.remote(), *[r.ping.remote() for r in self.ranks]),
+                timeout_s,
+            )
+            return True
+        except Exception:
+            return False
 
     def cancel(self, request_id: str) -> None:
         self.rank0.cancel.remote(request_id)

@@ -1,0 +1,83 @@
+"""Build the Serve application from a ServeConfig, and start Serve with the gRPC API."""
+
+from __future__ import annotations
+
+import os
+
+from ray import serve
+
+from configs.schema import ServeConfig, to_dict
+from deployments.ingress import CactusIngress
+
+GRPC_SERVICERS = [
+    "protos.cactus.v1.cactus_pb2_grpc.add_CactusServicer_to_server",
+    "protos.grpc.health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def replica_bundles(config: ServeConfig) -> list[dict]:
+    """Bundle 0: the replica; 1: the draft actor; 2..: the verifier ranks."""
+    r = config.resources
+
+    def bundle(a):
+        out = {"CPU": a.num_cpus, **a.resources}
+        if a.num_gpus:
+            out["GPU"] = a.num_gpus
+        return out
+
+    return [bundle(r.replica), bundle(r.draft), *[bundle(r.verifier_rank)] * config.tp_size]
+
+
+def build_app(config: ServeConfig, *, engine=None):
+    """The ingress deployment bound to its config (engine: inject one for shim tests)."""
+    a, lim = config.autoscaling, config.limits
+    options = {
+        "name": "CactusIngress",
+        "max_ongoing_requests": lim.max_ongoing_requests,
+        "max_queued_requests": lim.max_queued_requests,
+        "ray_actor_options": {"num_cpus": config.resources.replica.num_cpus},
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
+    }
+    if engine is None:
+        options["placement_group_bundles"] = replica_bundles(config)
+        options["placement_group_strategy"] = config.resources.placement_strategy
+    if a.max_replicas > a.min_replicas:
+        options["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "metrics_interval_s": a.metrics_interval_s,
+            "look_back_period_s": a.look_back_period_s,
+        }
+    else:
+        options["num_replicas"] = a.min_replicas
+    deployment = serve.deployment(CactusIngress).options(**options)
+    return (
+        deployment.bind(to_dict(config), engine)
+        if engine is not None
+        else deployment.bind(to_dict(config))
+    )
+
+
+def start_serve(config: ServeConfig, *, http_port: int | None = None) -> None:
+    """serve.start with the public gRPC API on config.grpc_port (HTTP on loopback)."""
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.limits.max_message_bytes))
+    serve.start(
+        http_options=HTTPOptions(host="127.0.0.1", port=http_port or _free_port()),
+        grpc_options=gRPCOptions(
+            port=config.grpc_port,
+            grpc_servicer_functions=GRPC_SERVICERS,
+            request_timeout_s=config.limits.request_timeout_s or None,
+        ),
+    )
+
+
+def _free_port() -> int:
+    from workers.tp_verifier import free_port
+
+    return free_port()

@@ -1,0 +1,308 @@
+"""The Ray Serve ingress: a thin shim between the public gRPC API and one engine.
+
+Duties, and nothing else:
+  1. authenticate (optional bearer token, constant-time compare) -> UNAUTHENTICATED
+  2. turn the wire request into a GenerationRequest with the configured defaults and
+     validate it (cactus.params.validate_request) -> INVALID_ARGUMENT naming the field
+  3. assign request ids; run the request on the engine, unary or streaming
+  4. map every other failure to a status with scrubbed details (no stack traces)
+  5. cancel the engine's work when the client goes away; record metrics
+
+The engine is injected (any object with agenerate / astream / cancel / ahealthy /
+model_info), as Ray Serve LLM does, so the shim can be tested with a fake engine beside
+the real end-to-end tests. In a real replica it is an EngineGroup (draft actor +
+verifier ranks) started inside the replica's own placement-group bundles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from dataclasses import replace
+
+import grpc
+
+from cactus.errors import InvalidRequestError, WorkerUnavailableError
+from cactus.params import (
+    GenerationRequest,
+    Limits,
+    SamplingParams,
+    SpeculationParams,
+    validate_request,
+)
+from configs.schema import ServeConfig, from_dict
+from deployments.metrics import ServiceMetrics
+from protos.cactus.v1 import cactus_pb2 as pb
+from protos.grpc.health.v1 import health_pb2
+
+logger = logging.getLogger("cactus.ingress")
+
+
+class RequestError(Exception):
+    """A failure with the gRPC status to answer it with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def limits_from(config: ServeConfig, *, vocab_size: int, max_context: int) -> Limits:
+    s = config.speculation
+    return Limits(
+        max_context=max_context,
+        vocab_size=vocab_size,
+        max_num_speculative_tokens=s.max_num_speculative_tokens,
+        delta_ceiling=s.delta_ceiling,
+        allowed_rules=tuple(s.allowed_rules),
+        max_prompt_chars=config.limits.max_prompt_chars,
+    )
+
+
+def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationRequest:
+    """Wire request -> GenerationRequest, unset fields filled from the config."""
+    s, sp = msg.sampling, msg.speculation
+    sampling = SamplingParams(
+        max_tokens=s.max_tokens or config.sampling.default_max_tokens,
+        temperature=s.temperature
+        if s.HasField("temperature")
+        else config.sampling.default_temperature,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+    )
+    speculation = SpeculationParams(
+        rule=sp.rule or config.speculation.default_rule,
+        delta=sp.delta if sp.HasField("delta") else config.speculation.default_delta,
+        num_speculative_tokens=(
+            sp.num_speculative_tokens or config.speculation.default_num_speculative_tokens
+        ),
+        max_divergence_nats=(
+            sp.max_divergence_nats if sp.HasField("max_divergence_nats") else None
+        ),
+    )
+    which = msg.WhichOneof("input")
+    prompt = msg.prompt if which == "prompt" else None
+    ids = tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None
+    return GenerationRequest(
+        prompt=prompt,
+        prompt_token_ids=ids,
+        sampling=sampling,
+        speculation=speculation,
+        request_id=msg.request_id or f"cactus-{secrets.token_hex(8)}",
+        time_limit_s=msg.time_limit_s or None,
+    )
+
+
+def tokenize(request: GenerationRequest, tokenizer, limits: Limits) -> GenerationRequest:
+    """Validate, tokenize a text prompt, validate the lengths; returns an ids request."""
+    validate_request(request, limits)
+    if request.prompt_token_ids:
+        validate_request(request, limits, prompt_len=len(request.prompt_token_ids))
+        return request
+    ids = tokenizer.encode(request.prompt, add_special_tokens=False)
+    if not ids:
+        raise InvalidRequestError("prompt", "encodes to zero tokens")
+    validate_request(request, limits, prompt_len=len(ids))
+    return replace(request, prompt=None, prompt_token_ids=tuple(ids))
+
+
+def stats_pb(stats) -> pb.SpeculationStats:
+    return pb.SpeculationStats(
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_position=list(stats.accepted_per_position),
+        mean_acceptance_length=stats.mean_acceptance_length,
+        divergence_nats=stats.divergence_nats,
+        acceptance_rate=stats.acceptance_rate,
+    )
+
+
+def result_pb(result) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=result.request_id,
+        text=result.text,
+        token_ids=list(result.token_ids),
+        finish_reason=result.finish_reason,
+        usage=pb.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids)),
+        seed=result.seed,
+        stats=stats_pb(result.stats),
+    )
+
+
+class CactusIngress:
+    """Serve deployment class (wrapped with serve.deployment in deployments.app)."""
+
+    def __init__(self, config: dict, engine=None) -> None:
+        self.config = from_dict(config)
+        self.engine = engine if engine is not None else self._start_engine()
+        info = self.engine.model_info()
+        self.info = info
+        self.limits = limits_from(
+            self.config, vocab_size=info["vocab_size"], max_context=info["max_context"]
+        )
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path("verifier"))
+        self.token = self.config.auth.resolved_token()
+        self.metrics = ServiceMetrics()
+
+    def _start_engine(self):
+        import ray
+
+        from workers.group import ActorResources, EngineGroup, GroupConfig
+
+        c = self.config
+        r = c.resources
+        group_config = GroupConfig(
+            verifier_dir=c.model_path("verifier"),
+            draft_dir=c.model_path("draft"),
+            tp_size=c.tp_size,
+            dtype=c.models.dtype,
+            device=c.models.device,
+            threads=r.threads_per_actor,
+            shm_allreduce=c.shm_allreduce,
+            draft=ActorResources(r.draft.num_cpus, r.draft.num_gpus, dict(r.draft.resources)),
+            rank=ActorResources(
+                r.verifier_rank.num_cpus, r.verifier_rank.num_gpus, dict(r.verifier_rank.resources)
+            ),
+            start_timeout_s=c.limits.start_timeout_s,
+            max_concurrency=max(4, c.limits.max_ongoing_requests * 2),
+        )
+        pg = ray.util.get_current_placement_group()
+        return EngineGroup(group_config, placement_group=pg, first_bundle=1).start()
+
+    # ---- the shim's duties ----------------------------------------------------------
+
+    def _authorize(self, grpc_context) -> None:
+        if not self.token:
+            return
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context else {}
+        given = metadata.get("authorization", "")
+        expected = f"Bearer {self.token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    def _prepare(self, msg, grpc_context) -> GenerationRequest:
+        self._authorize(grpc_context)
+        try:
+            return tokenize(to_request(msg, self.config), self.tokenizer, self.limits)
+        except InvalidRequestError as err:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+
+    @staticmethod
+    def _fail(grpc_context, err: BaseException, request_id: str = "") -> tuple:
+        if isinstance(err, RequestError):
+            code, details = err.code, err.details
+        elif isinstance(err, InvalidRequestError):
+            code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+        elif isinstance(err, WorkerUnavailableError) or type(err).__name__ in (
+            "RayActorError",
+            "ActorDiedError",
+            "ActorUnavailableError",
+        ):
+            code, details = grpc.StatusCode.UNAVAILABLE, "engine unavailable; retry later"
+        else:  # a bug: log it here, tell the client only that it happened
+            logger.exception("request %s failed", request_id)
+            code, details = grpc.StatusCode.INTERNAL, f"internal error (request {request_id})"
+        if grpc_context is not None:
+            grpc_context.set_code(code)
+            grpc_context.set_details(details)
+        return code, details
+
+    # ---- RPCs (method names = RPC names) ----------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None):
+        start = time.monotonic()
+        req = None
+        try:
+            req = self._prepare(request, grpc_context)
+            with self.metrics.running():
+                result = await self.engine.agenerate(req)
+            self.metrics.finished(req, result, start)
+            return result_pb(result)
+        except asyncio.CancelledError:
+            if req is not None:
+                self.engine.cancel(req.request_id)
+            raise
+        except Exception as err:
+            self._fail(grpc_context, _unwrap(err), req.request_id if req else "")
+            return pb.GenerateResponse()
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+        start = time.monotonic()
+        req = None
+        done = False
+        try:
+            req = self._prepare(request, grpc_context)
+            first = True
+            with self.metrics.running():
+                async for chunk in self.engine.astream(req):
+                    self.metrics.token_latency(req, start, first)
+                    first = False
+                    msg = pb.GenerateResponse(
+                        request_id=chunk.request_id,
+                        text=chunk.text,
+                        token_ids=list(chunk.token_ids),
+                    )
+                    if chunk.result is not None:
+                        full = result_pb(chunk.result)
+                        msg.finish_reason = full.finish_reason
+                        msg.usage.CopyFrom(full.usage)
+                        msg.seed = full.seed
+                        msg.stats.CopyFrom(full.stats)
+                        self.metrics.finished(req, chunk.result, start)
+                        done = True
+                    yield msg
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as err:
+            code, details = self._fail(grpc_context, _unwrap(err), req.request_id if req else "")
+            # A streaming method must raise for Serve to send the status it set.
+            raise RequestError(code, details) from None
+        finally:
+            if req is not None and not done:
+                self.engine.cancel(req.request_id)  # client gone: stop within one step
+
+    async def GetModelInfo(self, request, grpc_context=None):
+        try:
+            self._authorize(grpc_context)
+        except RequestError as err:
+            self._fail(grpc_context, err)
+            return pb.ModelInfo()
+        s = self.config.speculation
+        return pb.ModelInfo(
+            verifier=self.config.models.verifier,
+            draft=self.config.models.draft,
+            vocab_size=self.info["vocab_size"],
+            max_context=self.info["max_context"],
+            max_num_speculative_tokens=s.max_num_speculative_tokens,
+            delta_ceiling=s.delta_ceiling,
+            rules=list(s.allowed_rules),
+            default_rule=s.default_rule,
+            default_delta=s.default_delta,
+            tp_size=self.info.get("tp_size", self.config.tp_size),
+        )
+
+    async def Check(self, request, grpc_context=None):
+        """grpc.health.v1: SERVING only when the draft actor and every rank answer."""
+        healthy = await self.engine.ahealthy()
+        status = health_pb2.HealthCheckResponse
+        return status(status=status.SERVING if healthy else status.NOT_SERVING)
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: an unhealthy engine restarts the replica."""
+        if not await self.engine.ahealthy():
+            raise RuntimeError("engine unhealthy")
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """A RayTaskError wraps the remote exception; get the original back."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err

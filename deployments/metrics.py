@@ -1,0 +1,110 @@
+"""Service metrics through Ray Serve's metrics API (exported to Prometheus by Ray).
+
+Names follow vLLM's spec-decode counters with our `cactus_` prefix; Ray adds its own
+`ray_` prefix on export. Counters are labelled by acceptance rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from ray.serve import metrics
+
+LATENCY_BOUNDS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        rule = ("rule",)
+        self.drafts = metrics.Counter(
+            "cactus_spec_decode_num_drafts",
+            description="verify steps with a draft block",
+            tag_keys=rule,
+        )
+        self.draft_tokens = metrics.Counter(
+            "cactus_spec_decode_num_draft_tokens", description="drafted tokens", tag_keys=rule
+        )
+        self.accepted = metrics.Counter(
+            "cactus_spec_decode_num_accepted_tokens",
+            description="accepted drafted tokens",
+            tag_keys=rule,
+        )
+        self.accepted_pos = metrics.Counter(
+            "cactus_spec_decode_num_accepted_tokens_per_pos",
+            description="accepted drafted tokens by position",
+            tag_keys=("rule", "position"),
+        )
+        self.divergence = metrics.Counter(
+            "cactus_divergence_nats",
+            description="summed d(h_n || q_n) of emitted tokens",
+            tag_keys=rule,
+        )
+        self.draft_failures = metrics.Counter(
+            "cactus_draft_failures", description="requests that fell back to plain decoding"
+        )
+        self.requests = metrics.Counter(
+            "cactus_requests", description="finished requests", tag_keys=("finish_reason",)
+        )
+        self.prompt_tokens = metrics.Counter("cactus_prompt_tokens", description="prompt tokens")
+        self.generation_tokens = metrics.Counter(
+            "cactus_generation_tokens", description="generated tokens"
+        )
+        self.ttft = metrics.Histogram(
+            "cactus_time_to_first_token_s",
+            boundaries=LATENCY_BOUNDS_S,
+            description="time to first streamed chunk",
+        )
+        self.itl = metrics.Histogram(
+            "cactus_inter_token_latency_s",
+            boundaries=LATENCY_BOUNDS_S,
+            description="time between streamed chunks",
+        )
+        self.e2e = metrics.Histogram(
+            "cactus_e2e_latency_s", boundaries=LATENCY_BOUNDS_S, description="request latency"
+        )
+        self.running_gauge = metrics.Gauge(
+            "cactus_running_requests", description="requests running on this replica"
+        )
+        self._running = 0
+        self._last: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def running(self):
+        self._running += 1
+        self.running_gauge.set(self._running)
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self.running_gauge.set(self._running)
+
+    def token_latency(self, request, start: float, first: bool) -> None:
+        now = time.monotonic()
+        if first:
+            self.ttft.observe(now - start)
+        else:
+            self.itl.observe(now - self._last.get(request.request_id, now))
+        self._last[request.request_id] = now
+
+    def finished(self, request, result, start: float) -> None:
+        rule = {"rule": request.speculation.rule}
+        st = result.stats
+        self._last.pop(request.request_id, None)
+        if st.num_drafts:
+            self.drafts.inc(st.num_drafts, tags=rule)
+            self.draft_tokens.inc(st.num_draft_tokens, tags=rule)
+        if st.num_accepted_tokens:
+            self.accepted.inc(st.num_accepted_tokens, tags=rule)
+        for pos, n in enumerate(st.accepted_per_position):
+            if n:
+                self.accepted_pos.inc(n, tags={**rule, "position": str(pos)})
+        if st.divergence_nats > 0:
+            self.divergence.inc(st.divergence_nats, tags=rule)
+        if st.draft_failures:
+            self.draft_failures.inc(st.draft_failures)
+        self.requests.inc(tags={"finish_reason": result.finish_reason})
+        self.prompt_tokens.inc(result.prompt_tokens)
+        if result.token_ids:
+            self.generation_tokens.inc(len(result.token_ids))
+        self.e2e.observe(time.monotonic() - start)
