@@ -49,6 +49,9 @@ class RequestError(Exception):
         self.code = code
         self.details = details
 
+    def __reduce__(self):  # crosses the replica -> proxy boundary pickled
+        return (RequestError, (self.code, self.details))
+
 
 def limits_from(config: ServeConfig, *, vocab_size: int, max_context: int) -> Limits:
     s = config.speculation

@@ -9,12 +9,33 @@ Callers talk to rank 0: `generate`, `stream`, `cancel`.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+NAMESPACE = "cactus"
+
+
+def engine_cache_counts() -> dict[str, dict]:
+    """Cache counts of every engine on the connected cluster, by engine name."""
+    out: dict[str, dict] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name, ns = entry["name"], entry["namespace"]
+        if ns != NAMESPACE or not name.startswith("engine-"):
+            continue
+        engine, role = name.rsplit("-", 1)
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        if role == "draft":
+            status = ray.get(actor.status.remote(), timeout=30)
+            out.setdefault(engine, {})["draft"] = status["cached_sequences"]
+            out[engine]["draft_sessions"] = status["open_sessions"]
+        elif role == "rank0":
+            out.setdefault(engine, {})["rank0"] = ray.get(actor.cache_count.remote(), timeout=30)
+    return out
 
 
 @dataclass(frozen=True)
@@ -64,6 +85,8 @@ class EngineGroup:
         self.pg = None
         self.outer_pg = placement_group
         self.first_bundle = first_bundle
+        # Named (namespace "cactus") so operators and tests can find an engine's actors.
+        self.name = f"engine-{uuid.uuid4().hex[:8]}"
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
@@ -79,12 +102,16 @@ class EngineGroup:
         )
         ray.get(self.pg.ready(), timeout=timeout)
         self.draft = DraftActor.options(
+            name=f"{self.name}-draft",
+            namespace=NAMESPACE,
             num_cpus=c.draft.num_cpus,
             num_gpus=c.draft.num_gpus,
             resources=c.draft.resources or None,
         ).remote(c.draft_dir, dtype=c.dtype, device=c.device, threads=c.threads, lease_s=c.lease_s)
         self.ranks = [
             VerifierRank.options(
+                name=f"{self.name}-rank{i}",
+                namespace=NAMESPACE,
                 num_cpus=c.rank.num_cpus,
                 num_gpus=c.rank.num_gpus,
                 resources=c.rank.resources or None,

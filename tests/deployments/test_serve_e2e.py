@@ -1,0 +1,260 @@
+"""End to end: the service started as `make serve` starts it, a real gRPC client.
+
+One server for the module (embedded models, TP=2 verifier, bearer token, small queue
+limits), in a subprocess with its own Ray head; the test talks to it on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from client import CactusClient
+from tests.conftest import embedded_dirs
+from workers.tp_verifier import free_port
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "test-token-0123"
+
+
+class Server:
+    def __init__(self, proc, address, ray_address):
+        self.proc, self.address, self.ray_address = proc, address, ray_address
+
+    def client(self, token=TOKEN, **kw) -> CactusClient:
+        return CactusClient(self.address, token=token, timeout=120, **kw)
+
+    def cache_counts(self) -> dict:
+        code = (
+            "import json, ray; ray.init(address=%r, log_to_driver=False);"
+            "from workers.group import engine_cache_counts;"
+            "print(json.dumps(engine_cache_counts()))" % self.ray_address
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env=os.environ.copy(),
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    verifier, draft = embedded_dirs()
+    port = free_port()
+    config = {
+        "models": {"verifier": verifier, "draft": draft},
+        "tp_size": 2,
+        "grpc_port": port,
+        "auth": {"token": TOKEN},
+        "limits": {
+            "max_ongoing_requests": 2,
+            "max_queued_requests": 1,
+            "max_message_bytes": 1 << 20,
+        },
+        "speculation": {"delta_ceiling": 4.0, "max_num_speculative_tokens": 8},
+    }
+    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ready = _wait_ready(proc, timeout_s=300)
+    ray_address = re.search(r"ray (\S+)\)", ready).group(1)
+    yield Server(proc, f"127.0.0.1:{port}", ray_address)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0
+
+
+def _wait_ready(proc, timeout_s: float) -> str:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+
+    def reader():
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=reader, daemon=True).start()
+    while time.monotonic() < deadline:
+        for line in lines:
+            if line.startswith("READY"):
+                return line
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + "".join(lines[-40:]))
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server not ready:\n" + "".join(lines[-40:]))
+
+
+def test_health_and_model_info(server):
+    client = server.client()
+    assert client.health() == "SERVING"
+    info = client.model_info()
+    assert info.vocab_size > 1000 and info.max_context >= 512 and info.tp_size == 2
+    assert set(info.rules) == {"none", "sps", "cactus", "cactus_exact", "tas"}
+    assert info.delta_ceiling == 4.0 and info.max_num_speculative_tokens == 8
+
+
+def test_unary_and_stream_equal_the_in_process_engine(server, embedded_engine, heldout_prompts):
+    client = server.client()
+    prompt = heldout_prompts[6]
+    kw = {
+        "max_tokens": 24,
+        "temperature": 0.8,
+        "top_k": 30,
+        "seed": 42,
+        "rule": "cactus",
+        "delta": 1.0,
+        "num_speculative_tokens": 4,
+    }
+    unary = client.generate(prompt, **kw)
+    chunks = list(client.stream(prompt, **kw))
+    local = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=24, temperature=0.8, top_k=30, seed=42),
+            speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
+        )
+    )
+    assert unary.text == local.text and list(unary.token_ids) == list(local.token_ids)
+    assert unary.finish_reason == "LENGTH" and unary.seed == 42
+    assert unary.usage.completion_tokens == 24 and unary.usage.prompt_tokens > 0
+    assert unary.stats.num_drafts > 0
+    assert "".join(c.text for c in chunks) == local.text
+    assert [t for c in chunks for t in c.token_ids] == list(local.token_ids)
+    last = chunks[-1]
+    assert last.finish_reason == "LENGTH" and last.usage.completion_tokens == 24
+    assert last.stats.num_accepted_tokens == local.stats.num_accepted_tokens
+    assert all(not c.finish_reason for c in chunks[:-1])
+
+
+BAD = [
+    ("prompt", {"prompt": ""}),
+    ("prompt_token_ids", {"prompt": [10**7]}),
+    ("max_tokens", {"max_tokens": 10**6}),
+    ("temperature", {"temperature": math.nan}),
+    ("temperature", {"temperature": math.inf}),
+    ("temperature", {"temperature": -0.5}),
+    ("temperature", {"temperature": 2.5}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": 10**7}),
+    ("stop", {"stop": ["a"] * 9}),
+    ("stop", {"stop": [""]}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("rule", {"rule": "greedy"}),
+    ("delta", {"delta": -1.0}),
+    ("delta", {"delta": math.nan}),
+    ("delta", {"delta": 4.5}),
+    ("num_speculative_tokens", {"num_speculative_tokens": 9}),
+    ("max_divergence_nats", {"max_divergence_nats": -0.1}),
+    ("max_divergence_nats", {"max_divergence_nats": math.inf}),
+    ("time_limit_s", {"time_limit_s": -1.0}),
+]
+
+
+def test_validation_table_then_a_good_request(server):
+    client = server.client()
+    for field, kw in BAD:
+        prompt = kw.pop("prompt", "def f(x):")
+        for call in (client.generate, lambda *a, **k: list(client.stream(*a, **k))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(prompt, **kw)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value)
+            assert err.value.details().startswith(field), err.value.details()
+            assert "Traceback" not in err.value.details()
+    good = client.generate("def f(x):", max_tokens=4)
+    assert len(good.token_ids) == 4
+
+
+def test_auth_is_required_on_every_rpc(server):
+    for token in (None, "wrong-token"):
+        client = server.client(token=token)
+        for call in (
+            lambda c: c.generate("x", max_tokens=2),
+            lambda c: list(c.stream("x")),
+            lambda c: c.model_info(),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(client)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_too_large_a_message_is_resource_exhausted(server):
+    with pytest.raises(grpc.RpcError) as err:
+        server.client().generate("x" * (2 << 20), max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_queue_overflow_is_resource_exhausted_and_service_recovers(server):
+    codes: list = []
+    calls = []
+
+    def run(i):
+        client = server.client()
+        try:
+            stream = client.stream("def f(x):", max_tokens=300, seed=i, temperature=1.0)
+            calls.append(client.last_call)
+            for _ in stream:
+                pass
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for call in calls:
+        call.cancel()
+    for t in threads:
+        t.join(timeout=120)
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+    assert set(codes) <= {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.OK,
+    }, codes
+    assert len(server.client().generate("def g():", max_tokens=3).token_ids) == 3
+
+
+def test_cancel_mid_stream_frees_the_caches(server):
+    client = server.client()
+    stream = client.stream("class Foo:", max_tokens=400, seed=5, temperature=1.0)
+    for i, _chunk in enumerate(stream):
+        if i == 2:
+            client.last_call.cancel()
+            break
+    deadline = time.monotonic() + 60
+    counts = server.cache_counts()
+    while time.monotonic() < deadline:
+        counts = server.cache_counts()
+        if all(v == 0 for engine in counts.values() for v in engine.values()):
+            break
+        time.sleep(1)
+    assert counts and all(v == 0 for engine in counts.values() for v in engine.values()), counts
