@@ -63,7 +63,8 @@ def main(argv=None) -> int:
         print(
             f"READY cactus gRPC on 127.0.0.1:{config.grpc_port} "
             f"(app {config.app_name!r}, tp_size {config.tp_size}, "
-            f"started in {time.monotonic() - start:.1f}s)",
+            f"started in {time.monotonic() - start:.1f}s, "
+            f"ray {ray.get_runtime_context().gcs_address})",
             flush=True,
         )
         print(
