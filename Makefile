@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos test lint format bench-kernels bench-distributed generate models clean
+.PHONY: setup protos serve stop test lint format bench-kernels bench-distributed generate models clean
 
 setup: $(STAMP) protos
 
@@ -54,6 +54,18 @@ bench-kernels: setup
 
 bench-distributed: setup
 	$(PY) -m benchmarks.bench_distributed
+
+CONFIG ?= configs/default.yaml
+PORT ?= 9000
+# Serve the embedded models: local Ray head on loopback, gRPC on 127.0.0.1:$(PORT).
+# Ctrl-C shuts everything down; `make stop` stops a detached run.
+serve: setup
+	$(PY) -m deployments.serve --config $(CONFIG) --port $(PORT)
+
+stop:
+	@if [ -f $(CACHE)/serve.pid ]; then kill -INT $$(cat $(CACHE)/serve.pid); \
+	  while kill -0 $$(cat $(CACHE)/serve.pid 2>/dev/null) 2>/dev/null; do sleep 1; done; \
+	  echo stopped; else echo "no server running"; fi
 
 PROMPT ?= def fibonacci(n):
 generate: setup

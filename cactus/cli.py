@@ -51,6 +51,61 @@ def _generate_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="verifier tensor-parallel ranks (ray)")
 
 
+def _client_parser(sub) -> None:
+    p = sub.add_parser("client", help="call a running server over gRPC")
+    p.add_argument("--address", default="127.0.0.1:9000")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--token", default=os.environ.get("CACTUS_AUTH_TOKEN"))
+    p.add_argument("--rule", default="")
+    p.add_argument("--delta", type=float, default=None)
+    p.add_argument("-K", "--num-speculative-tokens", type=int, default=0, dest="k")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=120.0)
+
+
+def client(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from client import CactusClient
+
+    c = CactusClient(args.address, token=args.token, timeout=args.timeout)
+    kw = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "rule": args.rule,
+        "delta": args.delta,
+        "num_speculative_tokens": args.k,
+    }
+    try:
+        if args.stream:
+            last = None
+            for chunk in c.stream(args.prompt, **kw):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+            print()
+            if args.json and last is not None:
+                print(json.dumps(MessageToDict(last)))
+        else:
+            reply = c.generate(args.prompt, **kw)
+            print(json.dumps(MessageToDict(reply)) if args.json else reply.text)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_request(args):
     from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 
@@ -172,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cactus", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     _generate_parser(sub)
+    _client_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return generate(args)
+    if args.command == "client":
+        return client(args)
     parser.print_help()
     return 0
 

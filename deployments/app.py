@@ -62,12 +62,18 @@ def build_app(config: ServeConfig, *, engine=None):
     )
 
 
-def start_serve(config: ServeConfig, *, http_port: int | None = None) -> None:
-    """serve.start with the public gRPC API on config.grpc_port (HTTP on loopback)."""
+def start_serve(
+    config: ServeConfig, *, http_port: int | None = None, proxy_location: str = "EveryNode"
+) -> None:
+    """serve.start with the public gRPC API on config.grpc_port (HTTP on loopback).
+
+    proxy_location "HeadOnly" when several Ray nodes share one machine (tests): every
+    node's proxy would otherwise bind the same gRPC port."""
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.limits.max_message_bytes))
     serve.start(
+        proxy_location=proxy_location,
         http_options=HTTPOptions(host="127.0.0.1", port=http_port or _free_port()),
         grpc_options=gRPCOptions(
             port=config.grpc_port,

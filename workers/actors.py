@@ -190,6 +190,9 @@ class VerifierRank:
     def ping(self) -> int:
         return self.rank
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def shutdown(self) -> list[str]:
         from workers.tp_verifier import shutdown_rank
 

@@ -40,9 +40,9 @@ class Server:
 
     def cache_counts(self) -> dict:
         code = (
-            "import json, ray; ray.init(address=%r, log_to_driver=False);"
+            f"import json, ray; ray.init(address={self.ray_address!r}, log_to_driver=False);"
             "from workers.group import engine_cache_counts;"
-            "print(json.dumps(engine_cache_counts()))" % self.ray_address
+            "print(json.dumps(engine_cache_counts()))"
         )
         out = subprocess.run(
             [sys.executable, "-c", code],

@@ -1,0 +1,155 @@
+"""Scenarios that need a Ray cluster of their own, run as subprocesses by the tests
+(the test session's own local Ray stays untouched). Each prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+from cactus.cli import RAY_ENV
+
+for _k, _v in RAY_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from client import CactusClient  # noqa: E402
+from configs.schema import from_dict  # noqa: E402
+from deployments.app import build_app, start_serve  # noqa: E402
+from workers.group import NAMESPACE  # noqa: E402
+from workers.tp_verifier import free_port  # noqa: E402
+
+
+def _engine_actor_nodes() -> dict:
+    nodes: dict = {"draft": [], "ranks": []}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE:
+            continue
+        actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
+        if entry["name"].endswith("-draft"):
+            nodes["draft"].append(ray.get(actor.status.remote())["node_id"])
+        else:
+            nodes["ranks"].append(ray.get(actor.node_id.remote()))
+    return nodes
+
+
+def multinode(verifier: str, draft: str, prompt: str) -> dict:
+    """Two raylets: the draft actor must land on the `draft_node` one, the verifier
+    ranks on the `verifier_node` one."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"draft_node": 2}}
+    )
+    cluster.add_node(num_cpus=2, resources={"verifier_node": 4})
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    config = from_dict(
+        {
+            "models": {"verifier": verifier, "draft": draft},
+            "tp_size": 2,
+            "grpc_port": port,
+            "resources": {
+                "draft": {"num_cpus": 0.25, "resources": {"draft_node": 1}},
+                "verifier_rank": {"num_cpus": 0.25, "resources": {"verifier_node": 1}},
+                "replica": {"num_cpus": 0.25},
+            },
+        }
+    )
+    try:
+        start_serve(config, proxy_location="HeadOnly")
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        reply = CactusClient(f"127.0.0.1:{port}", timeout=120).generate(
+            prompt, max_tokens=24, temperature=0.0
+        )
+        by_resource = {}
+        for node in ray.nodes():
+            for res in ("draft_node", "verifier_node"):
+                if node["Alive"] and res in node["Resources"]:
+                    by_resource[res] = node["NodeID"]
+        return {
+            "placement": _engine_actor_nodes(),
+            "nodes": by_resource,
+            "token_ids": list(reply.token_ids),
+        }
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _replicas(app: str) -> int:
+    status = serve.status().applications[app].deployments["CactusIngress"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def autoscale(verifier: str, draft: str) -> dict:
+    """min 1 / max 2 replicas, short delays: up under concurrent streams, down after."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    config = from_dict(
+        {
+            "models": {"verifier": verifier, "draft": draft},
+            "tp_size": 1,
+            "grpc_port": port,
+            "limits": {"max_ongoing_requests": 4, "max_queued_requests": 16},
+            "autoscaling": {
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target_ongoing_requests": 1,
+                "upscale_delay_s": 1,
+                "downscale_delay_s": 3,
+                "metrics_interval_s": 0.5,
+                "look_back_period_s": 2,
+            },
+        }
+    )
+    seen = {"start": 0, "peak": 0, "end": 0}
+    try:
+        start_serve(config)
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        seen["start"] = _replicas(config.app_name)
+        done = threading.Event()
+        codes = []
+
+        def stream(i):
+            try:
+                client = CactusClient(f"127.0.0.1:{port}", timeout=300)
+                while not done.is_set():
+                    for _ in client.stream("def f(x):", max_tokens=64, seed=i, temperature=1.0):
+                        pass
+                codes.append("OK")
+            except Exception as err:
+                codes.append(repr(err)[:200])
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and seen["peak"] < 2:
+            seen["peak"] = max(seen["peak"], _replicas(config.app_name))
+            time.sleep(1)
+        done.set()
+        for t in threads:
+            t.join(timeout=300)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            seen["end"] = _replicas(config.app_name)
+            if seen["end"] == 1:
+                break
+            time.sleep(1)
+        seen["stream_results"] = codes
+        return seen
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    scenario, *args = sys.argv[1:]
+    result = {"multinode": multinode, "autoscale": autoscale}[scenario](*args)
+    print("RESULT " + json.dumps(result), flush=True)

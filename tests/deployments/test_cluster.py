@@ -1,0 +1,56 @@
+"""Multi-node placement and autoscaling, each on a Ray cluster of its own (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.conftest import embedded_dirs
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: int = 600) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.deployments.cluster_scripts", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_draft_and_verifier_on_different_nodes(embedded_engine, heldout_prompts):
+    verifier, draft = embedded_dirs()
+    prompt = heldout_prompts[7]
+    got = _run("multinode", verifier, draft, prompt)
+    nodes, placement = got["nodes"], got["placement"]
+    assert nodes["draft_node"] != nodes["verifier_node"]
+    assert placement["draft"] == [nodes["draft_node"]]
+    assert placement["ranks"] == [nodes["verifier_node"]] * 2
+    want = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=24, temperature=0.0),
+            speculation=SpeculationParams(rule="none"),
+        )
+    )
+    assert got["token_ids"] == list(want.token_ids)
+
+
+def test_autoscaling_up_under_load_and_back_down():
+    verifier, draft = embedded_dirs()
+    got = _run("autoscale", verifier, draft)
+    assert got["start"] == 1 and got["peak"] == 2 and got["end"] == 1, got
+    assert got["stream_results"] == ["OK"] * 4, got
