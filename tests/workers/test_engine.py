@@ -182,7 +182,9 @@ def test_invalid_fields_raise_the_domain_error(embedded_engine, field, kwargs):
 
 def test_rollback_on_embedded_verifier(embedded_engine):
     runner = embedded_engine.verifier.runner
-    ids = embedded_engine.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    ids = embedded_engine.tokenizer.encode(text)
+    assert len(ids) >= 14
     runner.start("r")
     runner.forward("r", ids[:8])
     runner.forward("r", ids[8:13])
