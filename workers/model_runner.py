@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+hf_logging.disable_progress_bar()  # a server's logs are not a terminal
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
