@@ -30,19 +30,24 @@ def run(rules, n_prompts: int, tokens: int) -> None:
     engine = local_engine(str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT))
     windows = prompts(heldout_stream(engine.tokenizer), n=n_prompts, length=64)
     print(f"# {n_prompts} held-out prompts x {tokens} tokens, T 0.6 top_k 20 top_p 0.95, K=4")
-    print("| rule | delta | acceptance_rate | alpha (pos 0) | mean acc. length | nats/token "
-          "| tok/s |")
+    print(
+        "| rule | delta | acceptance_rate | alpha (pos 0) | mean acc. length | nats/token | tok/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for rule, delta in rules:
         drafts = drafted = accepted = first = gen = 0
         div = 0.0
         start = time.perf_counter()
         for i, window in enumerate(windows):
-            res = engine.generate(GenerationRequest(
-                prompt_token_ids=tuple(int(t) for t in window),
-                sampling=SamplingParams(max_tokens=tokens, temperature=0.6, top_k=20,
-                                        top_p=0.95, seed=i),
-                speculation=SpeculationParams(rule=rule, delta=delta, num_speculative_tokens=4)))
+            res = engine.generate(
+                GenerationRequest(
+                    prompt_token_ids=tuple(int(t) for t in window),
+                    sampling=SamplingParams(
+                        max_tokens=tokens, temperature=0.6, top_k=20, top_p=0.95, seed=i
+                    ),
+                    speculation=SpeculationParams(rule=rule, delta=delta, num_speculative_tokens=4),
+                )
+            )
             st = res.stats
             drafts += st.num_drafts
             drafted += st.num_draft_tokens
@@ -51,8 +56,11 @@ def run(rules, n_prompts: int, tokens: int) -> None:
             div += st.divergence_nats
             gen += len(res.token_ids)
         wall = time.perf_counter() - start
-        print(f"| {rule} | {delta:g} | {accepted / drafted:.3f} | {first / drafts:.3f} | "
-              f"{1 + accepted / drafts:.2f} | {div / gen:.3f} | {gen / wall:.1f} |", flush=True)
+        print(
+            f"| {rule} | {delta:g} | {accepted / drafted:.3f} | {first / drafts:.3f} | "
+            f"{1 + accepted / drafts:.2f} | {div / gen:.3f} | {gen / wall:.1f} |",
+            flush=True,
+        )
 
 
 def main(argv=None) -> None:
@@ -63,8 +71,10 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rules = [(r.split(":")[0], float(r.split(":")[1]) if ":" in r else 0.0)
-             for r in args.rules.split(",")]
+    rules = [
+        (r.split(":")[0], float(r.split(":")[1]) if ":" in r else 0.0)
+        for r in args.rules.split(",")
+    ]
     run(rules, args.prompts, args.tokens)
 
 
