@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     # Ray starts its worker processes at nice 15 (below raylet/GCS); run the in-process
     # engine at the same priority so only the transport differs.
     niceness = os.nice(0)
-    worker_nice = int(os.environ.get("RAY_worker_niceness", "15"))
+    worker_nice = int(os.environ.get("RAY_worker_niceness", "15"))  # noqa: SIM112 (Ray spells it so)
     if niceness < worker_nice:
         niceness = os.nice(worker_nice - niceness)
     groups = {}
