@@ -1,0 +1,60 @@
+"""Typed config: the shipped YAML loads; unknown keys and bad values name their path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from configs.schema import ConfigError, from_dict, load_config, to_dict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml"])
+def test_shipped_configs_load(name):
+    config = load_config(REPO / "configs" / name)
+    assert from_dict(to_dict(config)) == config  # round-trips
+
+
+def test_default_points_at_the_embedded_models():
+    config = load_config(REPO / "configs" / "default.yaml")
+    assert Path(config.model_path("verifier")).joinpath("config.json").exists()
+    assert Path(config.model_path("draft")).joinpath("config.json").exists()
+    assert config.grpc_port == 9000 and config.models.device == "cpu"
+
+
+def test_cluster_example_is_multi_node():
+    config = load_config(REPO / "configs" / "cluster.yaml")
+    assert config.resources.draft.resources == {"draft_node": 1.0}
+    assert config.resources.verifier_rank.num_gpus == 1 and config.tp_size == 4
+    assert config.autoscaling.max_replicas > config.autoscaling.min_replicas
+
+
+@pytest.mark.parametrize(
+    ("raw", "path"),
+    [
+        ({"tp_sise": 2}, "tp_sise"),
+        ({"speculation": {"delta_cieling": 1}}, "speculation.delta_cieling"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": "2"}, "tp_size"),
+        ({"speculation": {"delta_ceiling": -1}}, "speculation.delta_ceiling"),
+        ({"speculation": {"default_delta": 9.0}}, "speculation.default_delta"),
+        ({"speculation": {"allowed_rules": ["cactus", "magic"]}}, "speculation.allowed_rules"),
+        (
+            {"speculation": {"default_rule": "tas", "allowed_rules": ["sps"]}},
+            "speculation.default_rule",
+        ),
+        ({"limits": {"max_ongoing_requests": 0}}, "limits.max_ongoing_requests"),
+        ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling.min_replicas"),
+        ({"resources": {"draft": {"num_cpus": "lots"}}}, "resources.draft.num_cpus"),
+        ({"resources": {"draft": {"resources": {"x": True}}}}, "resources.draft.resources.x"),
+        ({"grpc_port": 70000}, "grpc_port"),
+        ({"models": {"dtype": "int8"}}, "models.dtype"),
+        ({"sampling": {"default_temperature": float("nan")}}, "sampling.default_temperature"),
+    ],
+)
+def test_bad_config_names_the_key_path(raw, path):
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw)
+    assert str(err.value).startswith(path + ":"), str(err.value)

@@ -1,0 +1,142 @@
+"""The Serve shim on its own, with a fake engine (the real end-to-end test is
+test_serve_e2e.py): status mapping, scrubbed details, cancellation, defaults, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cactus.errors import WorkerUnavailableError
+from cactus.params import GenerationRequest
+from client import CactusClient
+from configs.schema import from_dict, to_dict
+from deployments.ingress import CactusIngress
+from tests.conftest import embedded_dirs
+from workers.engine import GenerationChunk, GenerationResult, SpecStats
+
+
+class FakeEngine:
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.fail = fail
+        self.cancelled: list[str] = []
+        self.seen: list[GenerationRequest] = []
+
+    def model_info(self):
+        return {"vocab_size": 8192, "max_context": 1024, "tp_size": 1}
+
+    async def ahealthy(self):
+        return self.fail is None
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+    def _result(self, req):
+        return GenerationResult(
+            req.request_id,
+            "abc",
+            (1, 2, 3),
+            "LENGTH",
+            len(req.prompt_token_ids),
+            9,
+            SpecStats(
+                num_drafts=1,
+                num_draft_tokens=4,
+                num_accepted_tokens=2,
+                accepted_per_position=[1, 1, 0, 0],
+            ),
+        )
+
+    async def agenerate(self, req):
+        self.seen.append(req)
+        if self.fail:
+            raise self.fail
+        return self._result(req)
+
+    async def astream(self, req):
+        self.seen.append(req)
+        for i in range(3):
+            if self.fail and i == 1:
+                raise self.fail
+            yield GenerationChunk(req.request_id, (i,), "x")
+        yield GenerationChunk(req.request_id, (), "", "LENGTH", self._result(req))
+
+
+class Ctx:
+    def __init__(self, metadata=()):
+        self.metadata, self.code, self.details = list(metadata), None, None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+def _shim(engine, **config):
+    verifier, draft = embedded_dirs()
+    config = {"models": {"verifier": verifier, "draft": draft}, **config}
+    return CactusIngress(to_dict(from_dict(config)), engine=engine)
+
+
+async def _collect(agen):
+    return [m async for m in agen]
+
+
+def test_defaults_fill_unset_fields(ray_session):
+    engine = FakeEngine()
+    shim = _shim(engine, speculation={"default_rule": "sps", "default_delta": 0.5})
+    reply = asyncio.run(shim.Generate(CactusClient.request("def f():"), Ctx()))
+    req = engine.seen[0]
+    assert reply.text == "abc" and reply.stats.num_accepted_tokens == 2
+    assert req.speculation.rule == "sps" and req.speculation.delta == 0.5
+    assert req.sampling.max_tokens == 64 and req.sampling.temperature == 1.0
+    assert req.prompt is None and len(req.prompt_token_ids) > 0 and req.request_id
+
+
+def test_engine_failures_map_to_status_without_internals(ray_session):
+    for err, code in (
+        (RuntimeError("Traceback (most recent call last): secret"), grpc.StatusCode.INTERNAL),
+        (WorkerUnavailableError("rank 1 gone"), grpc.StatusCode.UNAVAILABLE),
+    ):
+        shim = _shim(FakeEngine(fail=err))
+        ctx = Ctx()
+        asyncio.run(shim.Generate(CactusClient.request("x", request_id="r1"), ctx))
+        assert ctx.code == code and "secret" not in ctx.details and "rank 1" not in ctx.details
+        ctx = Ctx()
+        with pytest.raises(Exception):  # noqa: B017 - a stream must raise to send its status
+            asyncio.run(_collect(shim.GenerateStream(CactusClient.request("x"), ctx)))
+        assert ctx.code == code and "Traceback" not in ctx.details
+
+
+def test_stream_closed_early_cancels_the_engine_request(ray_session):
+    engine = FakeEngine()
+    shim = _shim(engine)
+
+    async def first_only():
+        agen = shim.GenerateStream(CactusClient.request("x", request_id="gone"), Ctx())
+        await agen.__anext__()
+        await agen.aclose()  # what Serve does when the client disconnects
+
+    asyncio.run(first_only())
+    assert engine.cancelled == ["gone"]
+    done = asyncio.run(_collect(shim.GenerateStream(CactusClient.request("x"), Ctx())))
+    assert done[-1].finish_reason == "LENGTH" and engine.cancelled == ["gone"]
+
+
+def test_auth_and_health(ray_session):
+    shim = _shim(FakeEngine(), auth={"token": "t0k"})
+    for metadata in ((), (("authorization", "Bearer nope"),)):
+        ctx = Ctx(metadata)
+        asyncio.run(shim.Generate(CactusClient.request("x"), ctx))
+        assert ctx.code == grpc.StatusCode.UNAUTHENTICATED
+    ctx = Ctx((("authorization", "Bearer t0k"),))
+    assert asyncio.run(shim.Generate(CactusClient.request("x"), ctx)).text == "abc"
+    assert ctx.code is None
+    assert asyncio.run(shim.Check(None, ctx)).status == 1  # SERVING
+    sick = _shim(FakeEngine(fail=RuntimeError("down")))
+    assert asyncio.run(sick.Check(None, Ctx())).status == 2  # NOT_SERVING
