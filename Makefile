@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos serve stop test lint format bench-kernels bench-distributed generate models clean
+.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed generate models clean
 
 setup: $(STAMP) protos
 
@@ -54,6 +54,10 @@ bench-kernels: setup
 
 bench-distributed: setup
 	$(PY) -m benchmarks.bench_distributed
+
+# Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min.
+bench: setup
+	$(PY) -m benchmarks.run $(if $(QUICK),--quick,)
 
 CONFIG ?= configs/default.yaml
 PORT ?= 9000

@@ -35,6 +35,7 @@ class SpeculationParams:
     delta: float = 1.0  # nats; 0 = lossless
     num_speculative_tokens: int = 4  # K
     max_divergence_nats: float | None = None  # per-request ceiling on the summed divergence
+    tas_threshold: float = 0.09  # typical acceptance epsilon (posterior_threshold)
 
 
 @dataclass(frozen=True)
@@ -167,3 +168,4 @@ def _validate_speculation(sp: SpeculationParams, limits: Limits) -> None:
         )
     if sp.max_divergence_nats is not None:
         _finite_in("max_divergence_nats", sp.max_divergence_nats, 0.0, math.inf)
+    _finite_in("tas_threshold", sp.tas_threshold, 0.0, 1.0, low_open=True)

@@ -210,6 +210,7 @@ class SpeculativeEngine:
             target,
             rule=spec.rule,
             delta=spec.delta,
+            tas_threshold=spec.tas_threshold,
             divergence_budget=budget,
             uniforms=draw_uniforms([state.generator], k + 1),
             validate=False,

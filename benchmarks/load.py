@@ -1,0 +1,192 @@
+"""Serving load: N concurrent streaming gRPC clients against the server `make serve` runs.
+
+The server is started as a subprocess (python -m deployments.serve, loopback only) with
+the embedded models; for each rule and each concurrency level, N client threads stream
+requests back to back for a fixed duration. Measured: output tokens/s over the window,
+time to first token and inter-token latency (p50/p99), errors (must be 0).
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+
+from client import CactusClient
+from workers.tp_verifier import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class LoadResult:
+    rule: str
+    clients: int
+    seconds: float
+    tokens: int = 0
+    requests: int = 0
+    errors: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class ServerProcess:
+    """`python -m deployments.serve` with a temporary config; stopped with SIGINT."""
+
+    def __init__(self, overrides: dict) -> None:
+        self.port = free_port()
+        config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+        config.update(overrides)
+        config["grpc_port"] = self.port
+        self._dir = tempfile.TemporaryDirectory()
+        path = Path(self._dir.name) / "serve.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deployments.serve", "--config", str(path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.address = f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        for line in self.proc.stdout:
+            if line.startswith("READY"):
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+            if time.monotonic() > deadline:
+                break
+        raise RuntimeError("server did not start")
+
+    def _drain(self) -> None:
+        for _ in self.proc.stdout:
+            pass
+
+    def stop(self) -> None:
+        self.proc.send_signal(2)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._dir.cleanup()
+
+
+def run_level(
+    address: str, rule: str, clients: int, seconds: float, *, max_tokens: int
+) -> LoadResult:
+    result = LoadResult(rule, clients, seconds)
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def worker(idx: int) -> None:
+        client = CactusClient(address, timeout=300)
+        n = 0
+        while time.monotonic() < stop_at:
+            n += 1
+            start = last = time.monotonic()
+            ttft, itl, tokens = None, [], 0
+            try:
+                for chunk in client.stream(
+                    "def parse(text):",
+                    max_tokens=max_tokens,
+                    temperature=0.6,
+                    top_k=20,
+                    top_p=0.95,
+                    seed=idx * 10_000 + n,
+                    rule=rule,
+                ):
+                    now = time.monotonic()
+                    if chunk.token_ids:
+                        if ttft is None:
+                            ttft = now - start
+                        else:
+                            itl.append((now - last) / len(chunk.token_ids))
+                        last = now
+                        # count only tokens produced inside the window
+                        if now <= stop_at:
+                            tokens += len(chunk.token_ids)
+            except grpc.RpcError:
+                with lock:
+                    result.errors += 1
+                continue
+            with lock:
+                result.requests += 1
+                result.tokens += tokens
+                if ttft is not None:
+                    result.ttft.append(ttft)
+                result.itl.extend(itl)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return result
+
+
+def run_load(
+    levels: list[int],
+    rules: list[str],
+    seconds: float,
+    *,
+    max_tokens: int = 64,
+    tp_size: int = 1,
+    progress=None,
+) -> list[LoadResult]:
+    server = ServerProcess(
+        {
+            "tp_size": tp_size,
+            "limits": {"max_ongoing_requests": max(levels), "max_queued_requests": 4 * max(levels)},
+        }
+    )
+    results = []
+    try:
+        server.wait_ready()
+        for rule in rules:  # warm-up
+            CactusClient(server.address, timeout=300).generate("x", max_tokens=4, rule=rule)
+        for clients in levels:
+            for rule in rules:  # interleaved: the same load level back to back
+                results.append(
+                    run_level(server.address, rule, clients, seconds, max_tokens=max_tokens)
+                )
+                if progress:
+                    progress()
+    finally:
+        server.stop()
+    return results
+
+
+def summary(r: LoadResult) -> dict:
+    return {
+        "rule": r.rule,
+        "clients": r.clients,
+        "tokens_per_s": r.tokens_per_s,
+        "requests": r.requests,
+        "errors": r.errors,
+        "ttft_p50": percentile(r.ttft, 0.5),
+        "ttft_p99": percentile(r.ttft, 0.99),
+        "itl_p50": percentile(r.itl, 0.5),
+        "itl_p99": percentile(r.itl, 0.99),
+        "itl_mean": statistics.mean(r.itl) if r.itl else float("nan"),
+    }

@@ -1,0 +1,160 @@
+"""`make bench`: what Cactus buys and what it costs, in one report with plots.
+
+    python -m benchmarks.run [--quick | --tiny] [--out benchmarks/results]
+                             [--skip-micro] [--skip-load]
+
+Writes benchmarks/results/<date>-<host>.md and PNG plots beside it (regenerated data,
+never hand-edited). Phases:
+  1. micro-benchmarks: kernels, engine acceptance, distributed (their own tables)
+  2. quality vs speed on held-out function completions (benchmarks/quality.py)
+  3. serving load: 1/4/8/16 concurrent streaming gRPC clients (benchmarks/load.py)
+  4. plots
+--quick finishes in under 10 minutes on 2 cores; --tiny (used by the test suite) in
+well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SETTINGS = {
+    "full": {"tasks": 60, "max_tokens": 96, "levels": [1, 4, 8, 16], "seconds": 20.0},
+    "quick": {"tasks": 12, "max_tokens": 48, "levels": [1, 4, 8, 16], "seconds": 6.0},
+    "tiny": {"tasks": 2, "max_tokens": 8, "levels": [1], "seconds": 2.0},
+}
+
+
+class Progress:
+    """A one-line progress bar on stderr with an ETA."""
+
+    def __init__(self, name: str, total: int) -> None:
+        self.name, self.total, self.done, self.start = name, max(total, 1), 0, time.monotonic()
+
+    def __call__(self) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        bar = "#" * int(30 * self.done / self.total)
+        end = "\n" if self.done >= self.total else ""
+        print(
+            f"\r[{self.name}] [{bar:<30}] {self.done}/{self.total} eta {eta:5.0f}s",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def micro(mode: str) -> str:
+    """Run the earlier benchmarks as they are and collect their tables."""
+    quick = ["--quick"] if mode != "full" else []
+    commands = [
+        [sys.executable, "-m", "benchmarks.bench_kernels", *quick],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_acceptance",
+            *(["--prompts", "8", "--tokens", "32"] if mode != "full" else []),
+        ],
+        [sys.executable, "-m", "benchmarks.bench_distributed", *quick],
+    ]
+    out = []
+    progress = Progress("micro", len(commands))
+    for cmd in commands:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+        table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
+        out.append(
+            f"`{' '.join(['python', *cmd[1:]])}`\n\n"
+            + "\n".join(
+                table
+                or [f"(failed, exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]})"]
+            )
+        )
+        progress()
+    return "\n\n".join(out)
+
+
+def quality_phase(mode: str):
+    import torch
+
+    from benchmarks.quality import Method, default_methods, evaluate, function_tasks
+    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER
+    from workers.local import local_engine
+
+    torch.set_num_threads(2)
+    s = SETTINGS[mode]
+    engine = local_engine(str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT))
+    tasks = function_tasks(s["tasks"])
+    methods = (
+        [Method("verifier-only", "none"), Method("cactus d=1", "cactus", 1.0)]
+        if mode == "tiny"
+        else default_methods(quick=mode == "quick")
+    )
+    progress = Progress("quality", len(tasks) * len(methods))
+    return tasks, evaluate(engine, tasks, methods, max_tokens=s["max_tokens"], progress=progress)
+
+
+def load_phase(mode: str):
+    from benchmarks.load import run_load, summary
+
+    s = SETTINGS[mode]
+    rules = ["cactus", "none"]
+    progress = Progress("load", len(s["levels"]) * len(rules))
+    results = run_load(s["levels"], rules, s["seconds"], max_tokens=64, progress=progress)
+    return [summary(r) for r in results]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="smoke run, under 10 minutes")
+    group.add_argument("--tiny", action="store_true", help="harness self-test, seconds")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--skip-micro", action="store_true")
+    parser.add_argument("--skip-load", action="store_true")
+    args = parser.parse_args(argv)
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    from cactus.cli import RAY_ENV
+
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    started = time.monotonic()
+    micro_text = "" if args.skip_micro else micro(mode)
+    tasks, quality = quality_phase(mode)
+    load = [] if args.skip_load else load_phase(mode)
+
+    from benchmarks.report import write_report
+
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    host = socket.gethostname().split(".")[0] or "host"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{stamp}-{host}{'' if mode == 'full' else '-' + mode}.md"
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    write_report(
+        path,
+        mode=mode,
+        machine=machine,
+        micro=micro_text,
+        tasks=tasks,
+        quality=quality,
+        load=load,
+        seconds=time.monotonic() - started,
+        settings=SETTINGS[mode],
+    )
+    print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""`make bench` cannot rot: run the harness on its tiny setting (quality + load + plots)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_bench_writes_a_report_with_plots(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--tiny", "--skip-micro", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    reports = list(tmp_path.glob("*-tiny.md"))
+    assert len(reports) == 1
+    text = reports[0].read_text()
+    rows = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("| verifier-only") or ln.startswith("| cactus d=1")
+    ]
+    assert len(rows) == 2
+    load_rows = re.findall(
+        r"^\| 1 \| (cactus|none) \| ([\d.]+) \| (\d+) \| (\d+) \|", text, re.MULTILINE
+    )
+    assert {r[0] for r in load_rows} == {"cactus", "none"}
+    assert all(float(r[1]) > 0 and int(r[2]) > 0 and r[3] == "0" for r in load_rows)
+    pngs = sorted(p.name.split("-tiny-")[1] for p in tmp_path.glob("*.png"))
+    assert pngs == [
+        "acceptance-vs-delta.png",
+        "frontier-compile.png",
+        "frontier-nll.png",
+        "load.png",
+        "speed-vs-delta.png",
+    ]
