@@ -6,8 +6,9 @@ of the docstring. A method samples up to `max_tokens` tokens; the completion is 
 where the function ends (the first non-empty line back at column 0). For every method
 the same tasks and the same seeds are used.
 
-Per method: compile rate of the cut functions (Python `compile`) with a Wilson 95%
-interval and a two-proportion z-test against verifier-only sampling; the verifier's
+Per method: compile rate of the cut functions (a non-empty body that Python `compile`
+accepts; see `completes`) with a Wilson 95% interval and a two-proportion z-test
+against verifier-only sampling; the verifier's
 negative log-likelihood per generated token (its raw T = 1 distribution); divergence
 nats per generated token; mean acceptance length; tokens/s.
 """
@@ -123,6 +124,14 @@ def cut_function(completion: str) -> str:
     return "".join(out)
 
 
+def completes(prompt: str, completion: str) -> bool:
+    """The function was written: a non-empty body after the docstring, and the prompt
+    plus that body compiles. (A bare docstring compiles too, but is no completion: the
+    embedded verifier often closes the function at once and starts another.)"""
+    body = cut_function(completion)
+    return bool(body.strip()) and _compiles(prompt + body)
+
+
 def _compiles(source: str) -> bool:
     try:
         compile(source, "<completion>", "exec")
@@ -167,7 +176,7 @@ def evaluate(
             res.seconds += time.perf_counter() - start
             prompt_ids = engine.tokenizer.encode(task.prompt, add_special_tokens=False)
             res.n += 1
-            res.compiled += _compiles(task.prompt + cut_function(out.text))
+            res.compiled += completes(task.prompt, out.text)
             res.tokens += len(out.token_ids)
             res.nll_sum += verifier_nll(runner, prompt_ids, list(out.token_ids))
             res.divergence += out.stats.divergence_nats

@@ -138,7 +138,8 @@ def write_report(
         f"{len(tasks)} held-out functions (signature + docstring as the prompt), "
         f"{settings['max_tokens']} tokens sampled at temperature 0.6, top_k 20, top_p 0.95, "
         "K = 4, seeds 1000 + task index, identical for every method. Compile rate: the "
-        "completion cut at the end of the function, Python `compile`; 95% Wilson interval; "
+        "completion cut at the end of the function must have a non-empty body and the "
+        "function must pass Python `compile`; 95% Wilson interval; "
         "vs verifier-only: two-proportion z-test. NLL: the verifier's raw (T = 1) "
         "negative log-likelihood of the generated tokens. nats/token: divergence_nats "
         "per generated token.",
