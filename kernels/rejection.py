@@ -96,15 +96,18 @@ def speculative_accept(
             divergence_budget=divergence_budget,
             validate=validate,
         )
-    validation.check_rule(rule)
-    batch, k, vocab = validation.check_shapes(draft_token_ids, draft_probs, target_probs)
-    validation.check_delta(delta, batch)
-    if rule == "tas":
-        validation.check_tas(tas_threshold, tas_alpha)
-    if validate:
-        validation.check_uniforms(uniforms, batch, k)
-        validation.check_budget(divergence_budget, batch)
-        validation.check_values(draft_token_ids, draft_probs, target_probs, vocab)
+    batch, k, vocab = validation.check_arguments(
+        draft_token_ids,
+        draft_probs,
+        target_probs,
+        rule=rule,
+        delta=delta,
+        uniforms=uniforms,
+        tas_threshold=tas_threshold,
+        tas_alpha=tas_alpha,
+        divergence_budget=divergence_budget,
+        validate=validate,
+    )
 
     device = target_probs.device
     if uniforms is None:

@@ -43,15 +43,18 @@ def speculative_accept_triton(
     validate: bool = True,
 ) -> AcceptResult:
     """Same arguments and result as `kernels.speculative_accept`; float32 probabilities."""
-    validation.check_rule(rule)
-    batch, k, vocab = validation.check_shapes(draft_token_ids, draft_probs, target_probs)
-    validation.check_delta(delta, batch)
-    if rule == "tas":
-        validation.check_tas(tas_threshold, tas_alpha)
-    if validate:
-        validation.check_uniforms(uniforms, batch, k)
-        validation.check_budget(divergence_budget, batch)
-        validation.check_values(draft_token_ids, draft_probs, target_probs, vocab)
+    batch, k, vocab = validation.check_arguments(
+        draft_token_ids,
+        draft_probs,
+        target_probs,
+        rule=rule,
+        delta=delta,
+        uniforms=uniforms,
+        tas_threshold=tas_threshold,
+        tas_alpha=tas_alpha,
+        divergence_budget=divergence_budget,
+        validate=validate,
+    )
     device = target_probs.device
     if uniforms is None:
         uniforms = torch.rand(batch, k + 1, dtype=torch.float64, generator=generator, device=device)

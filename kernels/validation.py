@@ -118,3 +118,30 @@ def check_tas(threshold: float, alpha: float | None) -> None:
         not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0
     ):
         raise ValueError(f"tas_alpha: must be a finite number >= 0, got {alpha!r}")
+
+
+def check_arguments(
+    draft_token_ids,
+    draft_probs,
+    target_probs,
+    *,
+    rule,
+    delta,
+    uniforms,
+    tas_threshold,
+    tas_alpha,
+    divergence_budget,
+    validate,
+) -> tuple[int, int, int]:
+    """Every check of the `speculative_accept` contract (torch and Triton paths alike).
+    Returns (B, K, V); the [B, K, V] scans run only when `validate`."""
+    check_rule(rule)
+    batch, k, vocab = check_shapes(draft_token_ids, draft_probs, target_probs)
+    check_delta(delta, batch)
+    if rule == "tas":
+        check_tas(tas_threshold, tas_alpha)
+    if validate:
+        check_uniforms(uniforms, batch, k)
+        check_budget(divergence_budget, batch)
+        check_values(draft_token_ids, draft_probs, target_probs, vocab)
+    return batch, k, vocab

@@ -53,6 +53,14 @@ def adjusted_target(q: torch.Tensor, n: int, delta: float, rule: str) -> torch.T
     return h
 
 
+def typical_set(q: torch.Tensor, threshold: float, alpha: float | None) -> torch.Tensor:
+    """Tokens tas accepts at a row q [V]: q(x) > min(eps, alpha exp(-H(q)))."""
+    q = q.to(torch.float64)
+    alpha = math.sqrt(threshold) if alpha is None else alpha
+    entropy = -float((q[q > 0] * q[q > 0].log()).sum())
+    return q > min(threshold, alpha * math.exp(-entropy))
+
+
 def full_kl(h: torch.Tensor, q: torch.Tensor) -> float:
     """KL(h || q) summed over the vocabulary."""
     q = q.to(torch.float64)
@@ -95,7 +103,7 @@ def reference_accept(
             rule=rule,
             delta=float(deltas[b]),
             uniforms=uniforms[b],
-            tas=(tas_threshold, math.sqrt(tas_threshold) if tas_alpha is None else tas_alpha),
+            tas=(tas_threshold, tas_alpha),
             budget=math.inf if budget is None else float(budget[b]),
         )
         tokens, num[b], div[b] = row
@@ -111,8 +119,7 @@ def _reference_row(ids, p, q, *, rule, delta, uniforms, tas, budget):
         n = int(ids[i])
         q_i = q[i].to(torch.float64)
         if rule == "tas":
-            entropy = -float((q_i[q_i > 0] * q_i[q_i > 0].log()).sum())
-            if float(q_i[n]) > min(tas[0], tas[1] * math.exp(-entropy)):
+            if typical_set(q_i, *tas)[n]:
                 tokens.append(n)
                 used += -math.log(float(q_i[n]))
                 continue
@@ -154,9 +161,7 @@ def emitted_distribution(
     vocab = p.shape[0]
     out = torch.zeros(vocab, dtype=torch.float64)
     if rule == "tas":
-        alpha = math.sqrt(tas_threshold) if tas_alpha is None else tas_alpha
-        entropy = -float((q[q > 0] * q[q > 0].log()).sum())
-        keep = q > min(tas_threshold, alpha * math.exp(-entropy))
+        keep = typical_set(q, tas_threshold, tas_alpha)
         out[keep] = p[keep]
         out[int(q.argmax())] += float(p[~keep].sum())
         return out
@@ -185,9 +190,7 @@ def acceptance_probability(
     p = p.to(torch.float64)
     q = q.to(torch.float64)
     if rule == "tas":
-        alpha = math.sqrt(tas_threshold) if tas_alpha is None else tas_alpha
-        entropy = -float((q[q > 0] * q[q > 0].log()).sum())
-        return float(p[q > min(tas_threshold, alpha * math.exp(-entropy))].sum())
+        return float(p[typical_set(q, tas_threshold, tas_alpha)].sum())
     total = 0.0
     for n in range(p.shape[0]):
         if p[n] > 0:
