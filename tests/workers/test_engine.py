@@ -159,6 +159,13 @@ def test_multibyte_output_is_never_split(embedded_engine):
     assert "".join(pieces) == text
 
 
+def test_time_limit_ends_the_request(embedded_engine, heldout_prompts):
+    req = replace(_req(heldout_prompts[0], max_tokens=200), time_limit_s=1e-6)
+    res = embedded_engine.generate(req)
+    assert res.finish_reason == "TIME_LIMIT" and len(res.token_ids) < 200
+    assert embedded_engine.verifier.runner.num_sequences == 0
+
+
 def test_cancel_frees_caches(embedded_engine, heldout_prompts):
     steps = iter(range(100))
     with pytest.raises(RequestCancelledError):
