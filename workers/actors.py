@@ -7,7 +7,9 @@ actor, two TP ranks and a Serve replica fit on a 2-core machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 import time
 
 import ray
@@ -82,7 +84,8 @@ class VerifierRank:
         self.world_size = world_size
         self.runner = None
         self.engine = None
-        self._cancelled: set[str] = set()
+        self.loop = None
+        self._cancel_flags: dict[str, threading.Event] = {}
         self._started_at = time.time()
 
     def pick_port(self) -> int:
@@ -129,6 +132,7 @@ class VerifierRank:
     def connect(self, draft_address: str, *, limits=None, timeout_s: float = 30.0) -> None:
         """Rank 0: build the engine over the draft actor and the mirrored verifier."""
         from workers.engine import SpeculativeEngine
+        from workers.engine_loop import EngineLoop
         from workers.grpc_drafter import GrpcDrafter
         from workers.local import LocalVerifier
         from workers.tp_verifier import MirroredRunner
@@ -140,6 +144,7 @@ class VerifierRank:
         self.engine = SpeculativeEngine(
             self.drafter, LocalVerifier(self.mirror), self.runner.tokenizer, limits=limits
         )
+        self.loop = EngineLoop(self.engine)  # every step runs on this one thread
 
     def model_info(self) -> dict:
         r = self.runner
@@ -151,22 +156,36 @@ class VerifierRank:
         }
 
     def generate(self, request):
-        return self.engine.generate(request, cancelled=self._is_cancelled(request.request_id))
+        with self._cancel_flag(request.request_id) as flag:
+            return self.loop.generate(request, cancelled=flag.is_set)
 
     def stream(self, request):
         """Streaming generator (call with num_returns="streaming")."""
-        try:
-            yield from self.engine.stream(request, cancelled=self._is_cancelled(request.request_id))
-        except RequestCancelledError:
-            return
-        finally:
-            self._cancelled.discard(request.request_id)
+        with self._cancel_flag(request.request_id) as flag:
+            try:
+                yield from self.loop.submit(request, cancelled=flag.is_set)
+            except RequestCancelledError:
+                return
 
     def cancel(self, request_id: str) -> None:
-        self._cancelled.add(request_id)
+        """Stop a running request at its next step (no-op for an unknown id)."""
+        flag = self._cancel_flags.get(request_id)
+        if flag is not None:
+            flag.set()
 
-    def _is_cancelled(self, request_id: str):
-        return lambda: request_id in self._cancelled
+    @contextlib.contextmanager
+    def _cancel_flag(self, request_id: str):
+        """A per-call cancel flag; set on the way out too, so a caller that went away
+        (a closed stream) stops its request instead of leaving it running."""
+        flag = threading.Event()
+        if request_id:
+            self._cancel_flags[request_id] = flag
+        try:
+            yield flag
+        finally:
+            flag.set()
+            if self._cancel_flags.get(request_id) is flag:
+                del self._cancel_flags[request_id]
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:  # noqa: F821
         """Verifier logits [n, V] for a token sequence, through the sharded model."""
@@ -197,6 +216,7 @@ class VerifierRank:
         from workers.tp_verifier import shutdown_rank
 
         if self.rank == 0 and self.engine is not None:
+            self.loop.shutdown()
             self.mirror.stop_followers()
             self.drafter.close()
         return shutdown_rank(self.world_size, started_at=self._started_at)

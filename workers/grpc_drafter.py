@@ -4,6 +4,8 @@ Every received block is checked (workers/wire.decode_block) against this side's 
 committed length and the last block it applied before anything is used: a stale,
 repeated or malformed block raises StaleBlockError and is dropped. Transport failures
 raise WorkerUnavailableError; the engine then finishes the request without drafts.
+Commits are recorded and travel inside the next Propose (one round trip per step); a
+failed piggybacked commit fails that Propose, which ends drafting for the request.
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ from workers.wire import decode_block
 @dataclass
 class _ClientSession:
     committed: int
+    opening: grpc.Future | None = None  # the Open call, until it has answered
     applied_seq: int = 0
     pending_seq: int = 0
     unsent: list = field(default_factory=list)  # commits to piggyback on the next Propose
+    prefetch: tuple | None = None  # (k, future, sent_at): a Propose already on its way
 
 
 class GrpcDrafter:
+    """Calls are pipelined: Open is sent without waiting (the draft side prefills while
+    this side prefills the verifier), commits ride on the next Propose, and when the
+    engine says how many tokens it will ask for next (commit's next_k), that Propose
+    leaves at once, so the draft actor drafts while rank 0 does its bookkeeping."""
+
     def __init__(
         self,
         address: str,
@@ -51,12 +60,14 @@ class GrpcDrafter:
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.SpeculationStub(self._channel)
         self._sessions: dict[str, _ClientSession] = {}
-        self.rpc_s = 0.0  # wall time in Propose calls
+        self.rpc_s = 0.0  # Propose round trips (send to reply), overlapped or not
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
+        self.wait_s = 0.0  # time propose() blocked its caller
 
-    def _call(self, method, msg):
+    def _result(self, future: grpc.Future):
+        """The reply of a call, transport failures mapped to the engine's errors."""
         try:
-            return method(msg, timeout=self.timeout_s)
+            return future.result()
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise StaleBlockError(err.details()) from None
@@ -64,9 +75,13 @@ class GrpcDrafter:
                 f"draft actor: {err.code().name}: {err.details()}"
             ) from None
 
+    def _call(self, method, msg):
+        return self._result(method.future(msg, timeout=self.timeout_s))
+
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:
+        """Send Open and return; the first propose (or flush) waits for its answer."""
         msg = pb.OpenSession(
             request_id=request_id,
             prompt_token_ids=list(prompt_ids),
@@ -76,20 +91,44 @@ class GrpcDrafter:
             seed=seed,
             lease_s=self.lease_s,
         )
-        self._call(self._stub.Open, msg)
-        self._sessions[request_id] = _ClientSession(committed=len(prompt_ids))
+        self._sessions[request_id] = _ClientSession(
+            committed=len(prompt_ids), opening=self._stub.Open.future(msg, timeout=self.timeout_s)
+        )
+
+    def _opened(self, session: _ClientSession) -> None:
+        if session.opening is not None:
+            opening, session.opening = session.opening, None
+            self._result(opening)
+
+    def _send_propose(self, request_id: str, session: _ClientSession, k: int) -> None:
+        request = pb.ProposeRequest(
+            request_id=request_id, epoch=session.committed, num_tokens=k, commits=session.unsent
+        )
+        session.unsent = []  # sent, whatever the outcome: a failure ends drafting
+        sent_at = time.perf_counter()
+        future = self._stub.Propose.future(request, timeout=self.timeout_s)
+        done_at = []
+        future.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+        session.prefetch = (k, future, sent_at, done_at)
 
     def propose(self, request_id: str, k: int) -> DraftBlock:
         session = self._sessions[request_id]
         start = time.perf_counter()
-        msg = self._call(
-            self._stub.Propose,
-            pb.ProposeRequest(request_id=request_id, epoch=session.committed, num_tokens=k),
-        )
-        self.rpc_s += time.perf_counter() - start
+        self._opened(session)
+        if session.prefetch is None:
+            self._send_propose(request_id, session, k)
+        sent_k, future, sent_at, done_at = session.prefetch
+        session.prefetch = None
+        try:
+            msg = self._result(future)
+        finally:
+            self.wait_s += time.perf_counter() - start
+        self.rpc_s += (done_at[0] if done_at else time.perf_counter()) - sent_at
         self.remote_draft_s += msg.draft_s
-        block = self.check(msg, request_id, k)
+        block = self.check(msg, request_id, sent_k)
         session.pending_seq = msg.block_seq
+        if sent_k > k:  # the engine asked for fewer: a prefix of a draft is a draft
+            block = DraftBlock(block.request_id, block.epoch, block.token_ids[:k], block.probs[:k])
         return block
 
     def check(self, msg: pb.DraftBlock, request_id: str, k: int) -> DraftBlock:
@@ -104,32 +143,46 @@ class GrpcDrafter:
             vocab=self.vocab_size,
         )
 
-    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+    def commit(
+        self, request_id: str, epoch: int, num_accepted: int, next_token: int, *, next_k: int = 0
+    ) -> None:
+        """Record the commit; it travels with the next Propose (one round trip a step
+        instead of two), which leaves now when next_k > 0. `flush` sends recorded
+        commits on their own."""
         session = self._sessions[request_id]
-        self._call(
-            self._stub.Commit,
+        session.unsent.append(
             pb.CommitRequest(
                 request_id=request_id,
                 epoch=epoch,
                 block_seq=session.pending_seq,
                 num_accepted=num_accepted,
                 next_token=next_token,
-            ),
+            )
         )
         session.applied_seq = max(session.applied_seq, session.pending_seq)
         session.pending_seq = 0
         session.committed = epoch + num_accepted + 1
+        if next_k > 0 and session.opening is None and session.prefetch is None:
+            self._send_propose(request_id, session, next_k)
 
     def flush(self, request_id: str) -> None:
-        """Send the recorded commits now (tests drive the protocol step by step)."""
+        """Wait for Open and send the recorded commits now (tests drive the protocol
+        step by step)."""
         session = self._sessions[request_id]
+        self._opened(session)
         for commit in session.unsent:
             self._call(self._stub.Commit, commit)
         session.unsent = []
 
     def release(self, request_id: str) -> None:
-        if self._sessions.pop(request_id, None) is None:
+        session = self._sessions.pop(request_id, None)
+        if session is None:
             return
+        if session.prefetch is not None:  # a block nobody will use
+            session.prefetch[1].cancel()
+        if session.opening is not None:  # Close must follow Open, or Open would reopen
+            with contextlib.suppress(grpc.RpcError):
+                session.opening.result()
         with contextlib.suppress(grpc.RpcError):  # else the draft side's lease frees it
             self._stub.Close(pb.CloseSession(request_id=request_id), timeout=self.timeout_s)
 

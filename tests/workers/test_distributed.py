@@ -95,6 +95,7 @@ def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
     client = GrpcDrafter(group.draft_address, vocab_size=embedded_engine.verifier.vocab_size)
     stub = pb_grpc.SpeculationStub(grpc.insecure_channel(group.draft_address))
     client.start("proto", ids, SamplingParams(temperature=1.0), seed=5)
+    client.flush("proto")  # Open is sent without waiting; wait for it here
     msg = stub.Propose(pb.ProposeRequest(request_id="proto", epoch=len(ids), num_tokens=3))
     block = client.check(msg, "proto", 3)
     # The draft side refuses a second block before this one is committed, and a stale epoch.
