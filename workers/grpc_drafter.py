@@ -48,6 +48,7 @@ class GrpcDrafter:
         timeout_s: float = 30.0,
         lease_s: float = 120.0,
         max_message_bytes: int = 64 << 20,
+        pipeline: bool = True,
     ) -> None:
         self.address = address
         self.vocab_size = vocab_size
@@ -63,20 +64,21 @@ class GrpcDrafter:
         self.rpc_s = 0.0  # Propose round trips (send to reply), overlapped or not
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
         self.wait_s = 0.0  # time propose() blocked its caller
+        self.pipeline = pipeline
 
     def _result(self, future: grpc.Future):
         """The reply of a call, transport failures mapped to the engine's errors."""
+        return self._call(lambda _msg, timeout: future.result(), None)
+
+    def _call(self, method, msg):
         try:
-            return future.result()
+            return method(msg, timeout=self.timeout_s)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise StaleBlockError(err.details()) from None
             raise WorkerUnavailableError(
                 f"draft actor: {err.code().name}: {err.details()}"
             ) from None
-
-    def _call(self, method, msg):
-        return self._result(method.future(msg, timeout=self.timeout_s))
 
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
@@ -100,11 +102,15 @@ class GrpcDrafter:
             opening, session.opening = session.opening, None
             self._result(opening)
 
-    def _send_propose(self, request_id: str, session: _ClientSession, k: int) -> None:
+    def _propose_request(self, request_id: str, session: _ClientSession, k: int):
         request = pb.ProposeRequest(
             request_id=request_id, epoch=session.committed, num_tokens=k, commits=session.unsent
         )
         session.unsent = []  # sent, whatever the outcome: a failure ends drafting
+        return request
+
+    def _send_propose(self, request_id: str, session: _ClientSession, k: int) -> None:
+        request = self._propose_request(request_id, session, k)
         sent_at = time.perf_counter()
         future = self._stub.Propose.future(request, timeout=self.timeout_s)
         done_at = []
@@ -114,16 +120,19 @@ class GrpcDrafter:
     def propose(self, request_id: str, k: int) -> DraftBlock:
         session = self._sessions[request_id]
         start = time.perf_counter()
-        self._opened(session)
-        if session.prefetch is None:
-            self._send_propose(request_id, session, k)
-        sent_k, future, sent_at, done_at = session.prefetch
-        session.prefetch = None
         try:
-            msg = self._result(future)
+            self._opened(session)
+            if session.prefetch is None:  # a blocking call: no hand-off between threads
+                sent_k = k
+                msg = self._call(self._stub.Propose, self._propose_request(request_id, session, k))
+                self.rpc_s += time.perf_counter() - start
+            else:
+                sent_k, future, sent_at, done_at = session.prefetch
+                session.prefetch = None
+                msg = self._result(future)
+                self.rpc_s += (done_at[0] if done_at else time.perf_counter()) - sent_at
         finally:
             self.wait_s += time.perf_counter() - start
-        self.rpc_s += (done_at[0] if done_at else time.perf_counter()) - sent_at
         self.remote_draft_s += msg.draft_s
         block = self.check(msg, request_id, sent_k)
         session.pending_seq = msg.block_seq
@@ -162,7 +171,7 @@ class GrpcDrafter:
         session.applied_seq = max(session.applied_seq, session.pending_seq)
         session.pending_seq = 0
         session.committed = epoch + num_accepted + 1
-        if next_k > 0 and session.opening is None and session.prefetch is None:
+        if self.pipeline and next_k > 0 and session.opening is None and session.prefetch is None:
             self._send_propose(request_id, session, next_k)
 
     def flush(self, request_id: str) -> None:
