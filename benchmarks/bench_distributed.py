@@ -8,8 +8,8 @@ Prints tokens/s (median over requests), the ratio to the in-process engine, and 
 per-step breakdown in milliseconds:
 
     draft      draft-model compute (on the draft actor for the distributed engine)
-    grpc       Propose round trip (sent with the commit, answered) minus the draft
-               compute: transport, serialisation, the draft side's commit
+    grpc       propose round trip minus the draft compute (transport, serialisation,
+               the draft side applying the piggybacked commit)
     verify     verifier forward (for TP: including the all-reduces), minus broadcast
     bcast      rank 0 broadcasting the step's operations to the other ranks
     kernel     sampling processing + the acceptance kernel

@@ -10,14 +10,15 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     PreTrainedTokenizerFast,
 )
 
-EOS = "<|endoftext|>"
+from models import corpus
+
+EOS = corpus.EOS
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -25,18 +26,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 400) -> PreTrainedTokenizer
     """A byte-level BPE trained on a few standard-library files (deterministic)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [(stdlib / name).read_text(encoding="utf-8") for name in ("textwrap.py", "glob.py")]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS
-    )
+    fast = corpus.train_tokenizer(texts, vocab_size=vocab_size)  # the embedded models' recipe
     fast.save_pretrained(out_dir)
     return fast
 

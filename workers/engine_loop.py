@@ -61,19 +61,14 @@ class EngineLoop:
     def _run(self) -> None:
         active: deque = deque()  # (chunk iterator, output queue)
         while not self._stopped.is_set():
-            try:  # block only when there is nothing to step
-                item = self._inbox.get(block=not active, timeout=None if not active else 0)
+            try:  # take new requests; block only when there is nothing to step
+                item = self._inbox.get(block=not active)
+                while item is not _END:
+                    request, cancelled, out = item
+                    active.append((self.engine.stream(request, cancelled=cancelled), out))
+                    item = self._inbox.get(block=False)
             except queue.Empty:
-                item = None
-            while item is not None:
-                if item is _END:
-                    break
-                request, cancelled, out = item
-                active.append((self.engine.stream(request, cancelled=cancelled), out))
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = None
+                pass
             if not active:
                 continue
             chunks, out = active.popleft()
@@ -90,6 +85,13 @@ class EngineLoop:
             with contextlib.suppress(BaseException):
                 chunks.close()
             out.put(EngineLoopStopped("the engine loop was shut down"))
+        while True:  # requests submitted while it was shutting down
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                return
+            if item is not _END:
+                item[2].put(EngineLoopStopped("the engine loop was shut down"))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stopped.set()

@@ -75,24 +75,6 @@ def test_seeded_sampling_distributed_equals_in_process(
             assert dist.stats.num_accepted_tokens == local.stats.num_accepted_tokens
 
 
-def _set_pipeline(actor, on: bool) -> None:
-    actor.drafter.pipeline = on
-
-
-def test_unpipelined_propose_gives_the_same_tokens(groups, embedded_engine, heldout_prompts):
-    """With the next block no longer requested at commit time (one blocking Propose per
-    step), a seeded request still equals the in-process engine."""
-    rank0 = groups[1].rank0
-    ray.get(rank0.__ray_call__.remote(_set_pipeline, False))
-    try:
-        kw = {"temperature": 0.8, "top_k": 40, "seed": 77}
-        want = embedded_engine.generate(_req(heldout_prompts[12], "np-l", **kw))
-        got = groups[1].generate(_req(heldout_prompts[12], "np-d", **kw))
-    finally:
-        ray.get(rank0.__ray_call__.remote(_set_pipeline, True))
-    assert got.token_ids == want.token_ids and got.stats.num_drafts == want.stats.num_drafts
-
-
 def test_concurrent_requests_do_not_cross_talk(groups, embedded_engine, heldout_prompts):
     specs = [("sps", 0.0, 1), ("cactus", 1.0, 2), ("cactus_exact", 0.5, 3), ("tas", 0.0, 4)]
     reqs = [
