@@ -8,8 +8,8 @@ Prints tokens/s (median over requests), the ratio to the in-process engine, and 
 per-step breakdown in milliseconds:
 
     draft      draft-model compute (on the draft actor for the distributed engine)
-    grpc       propose round trip minus the draft compute (transport, serialisation,
-               the draft side applying the piggybacked commit)
+    grpc       Propose round trip (sent with the commit, answered) minus the draft
+               compute: transport, serialisation, the draft side's commit
     verify     verifier forward (for TP: including the all-reduces), minus broadcast
     bcast      rank 0 broadcasting the step's operations to the other ranks
     kernel     sampling processing + the acceptance kernel
@@ -121,6 +121,7 @@ def main(argv=None) -> None:
             runner(_request(prompts[0], f"warm-{runner.name}", "cactus", 1.0, 8, 0))
         samples = _measure(runners, prompts, args)
         _report(samples, args)
+        _concurrent_pipeline(groups[1], prompts, args)
     finally:
         for group in groups.values():
             group.shutdown()
@@ -138,6 +139,39 @@ def _measure(runners, prompts, args) -> dict:
                     req = _request(prompt, f"b{n}", rule, delta, args.max_tokens, 100 * rnd + i)
                     samples.setdefault((runner.name, rule), []).append(runner(req))
     return samples
+
+
+def _set_pipeline(actor, on: bool) -> None:  # runs inside rank 0 (ray __ray_call__)
+    actor.drafter.pipeline = on
+
+
+def _concurrent_pipeline(group, prompts, args) -> None:
+    """TP=1 with all prompts in flight at once: the next Propose sent with the commit
+    (rank 0 verifies other requests while the draft actor drafts) vs sent when the
+    next step starts. Interleaved round by round; tokens/s over each batch's wall."""
+    import ray
+
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    n = 0
+    for rnd in range(args.rounds):
+        for on in (True, False):
+            ray.get(group.rank0.__ray_call__.remote(_set_pipeline, on))
+            reqs = []
+            for i, prompt in enumerate(prompts):
+                n += 1
+                reqs.append(_request(prompt, f"c{n}", "cactus", 1.0, args.max_tokens, rnd * 10 + i))
+            start = time.perf_counter()
+            results = ray.get([group.rank0.generate.remote(r) for r in reqs])
+            wall = time.perf_counter() - start
+            rates[on].append(sum(len(r.token_ids) for r in results) / wall)
+    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True))
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    print(
+        f"\n# TP=1, {len(prompts)} concurrent cactus requests x {args.max_tokens} tokens, "
+        f"{args.rounds} rounds: next Propose sent with the commit {on:.1f} tok/s, "
+        f"sent at the next step {off:.1f} tok/s, ratio {on / off:.2f}x",
+        flush=True,
+    )
 
 
 def _report(samples: dict, args) -> None:

@@ -218,8 +218,13 @@ class SpeculativeEngine:
         t3 = time.perf_counter()
         accepted = int(result.num_accepted[0])
         tokens = [int(t) for t in result.output_token_ids[0, : accepted + 1]]
+        # Commit to the drafter first: a remote one starts the next block now, while
+        # this side rolls back its cache and emits (next_k 0: no next block is certain).
+        stops = (state.eos, *state.request.sampling.stop_token_ids)
+        finishing = any(t in stops for t in tokens)
+        next_k = 0 if finishing else self._num_draft_tokens(state, produced=len(tokens))
+        self._commit_drafter(state, block.epoch, accepted, tokens[-1], next_k=next_k)
         self.verifier.commit(state.id, accepted, tokens[-1])  # commit
-        self._commit_drafter(state, block.epoch, accepted, tokens[-1])
         self._count(
             state, k, accepted, float(result.divergence_nats[0]), (t1 - t0, t2 - t1, t3 - t2)
         )
@@ -237,11 +242,13 @@ class SpeculativeEngine:
         state.stats.verify_s += time.perf_counter() - t0
         return token
 
-    def _commit_drafter(self, state: _State, epoch: int, accepted: int, token: int) -> None:
+    def _commit_drafter(
+        self, state: _State, epoch: int, accepted: int, token: int, *, next_k: int = 0
+    ) -> None:
         if not state.drafting:
             return
         try:
-            self.drafter.commit(state.id, epoch, accepted, token)
+            self.drafter.commit(state.id, epoch, accepted, token, next_k=next_k)
         except DRAFTER_FAILURES:
             self._drafter_failed(state)
 
@@ -282,13 +289,14 @@ class SpeculativeEngine:
             raise InvalidRequestError("prompt", "encodes to zero tokens")
         return ids
 
-    def _num_draft_tokens(self, state: _State) -> int:
-        """K, reduced near the end: never draft past max_tokens or the context."""
+    def _num_draft_tokens(self, state: _State, produced: int = 0) -> int:
+        """K, reduced near the end: never draft past max_tokens or the context.
+        `produced`: tokens of this step not yet emitted (to ask for the next step's K)."""
         if not state.drafting:
             return 0
         k = state.request.speculation.num_speculative_tokens
-        left = state.request.sampling.max_tokens - len(state.generated)
-        room = self.limits.max_context - state.committed
+        left = state.request.sampling.max_tokens - len(state.generated) - produced
+        room = self.limits.max_context - state.committed - produced
         return max(0, min(k, left - 1, room - 1))
 
     def _count(self, state: _State, k: int, accepted: int, divergence: float, times) -> None:

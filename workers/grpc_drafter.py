@@ -24,6 +24,18 @@ from workers.interfaces import DraftBlock
 from workers.wire import decode_block
 
 
+@contextlib.contextmanager
+def _mapped_errors():
+    """FAILED_PRECONDITION -> StaleBlockError (the engine drops the block); any other
+    RPC failure -> WorkerUnavailableError (the engine goes on without drafts)."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            raise StaleBlockError(err.details()) from None
+        raise WorkerUnavailableError(f"draft actor: {err.code().name}: {err.details()}") from None
+
+
 @dataclass
 class _ClientSession:
     committed: int
@@ -31,11 +43,16 @@ class _ClientSession:
     applied_seq: int = 0
     pending_seq: int = 0
     unsent: list = field(default_factory=list)  # commits to piggyback on the next Propose
+    prefetch: tuple | None = None  # (k, future, sent_at, done_at): a Propose on its way
 
 
 class GrpcDrafter:
-    """Open is sent without waiting (the draft side prefills while this side prefills
-    the verifier); commits ride on the next Propose."""
+    """Calls are pipelined: Open is sent without waiting (the draft side prefills while
+    this side prefills the verifier), commits ride on the next Propose, and when the
+    engine says how many tokens it will ask for next (commit's next_k), that Propose
+    leaves at once. Rank 0's engine loop then verifies other requests while the draft
+    actor drafts this one (single stream it gains nothing; with 4+ concurrent requests
+    it is what lets drafting and verification overlap)."""
 
     def __init__(
         self,
@@ -45,6 +62,7 @@ class GrpcDrafter:
         timeout_s: float = 30.0,
         lease_s: float = 120.0,
         max_message_bytes: int = 64 << 20,
+        pipeline: bool = True,
     ) -> None:
         self.address = address
         self.vocab_size = vocab_size
@@ -57,20 +75,20 @@ class GrpcDrafter:
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.SpeculationStub(self._channel)
         self._sessions: dict[str, _ClientSession] = {}
-        self.rpc_s = 0.0  # wall time in Propose calls
+        self.rpc_s = 0.0  # Propose round trips (send to reply), overlapped or not
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
+        self.pipeline = pipeline
 
     def _call(self, method, msg):
-        """A blocking call (method(msg, timeout=...)), transport failures mapped to the
-        engine's errors."""
-        try:
+        """A blocking call; transport failures mapped to the engine's errors."""
+        with _mapped_errors():
             return method(msg, timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise StaleBlockError(err.details()) from None
-            raise WorkerUnavailableError(
-                f"draft actor: {err.code().name}: {err.details()}"
-            ) from None
+
+    @staticmethod
+    def _result(future: grpc.Future):
+        """The reply of a call sent with .future(); errors mapped as in _call."""
+        with _mapped_errors():
+            return future.result()
 
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
@@ -92,18 +110,38 @@ class GrpcDrafter:
     def _opened(self, session: _ClientSession) -> None:
         if session.opening is not None:
             opening, session.opening = session.opening, None
-            self._call(lambda _msg, timeout: opening.result(), None)
+            self._result(opening)
 
-    def propose(self, request_id: str, k: int) -> DraftBlock:
-        session = self._sessions[request_id]
-        self._opened(session)
+    def _propose_request(self, request_id: str, session: _ClientSession, k: int):
         request = pb.ProposeRequest(
             request_id=request_id, epoch=session.committed, num_tokens=k, commits=session.unsent
         )
         session.unsent = []  # sent, whatever the outcome: a failure ends drafting
-        start = time.perf_counter()
-        msg = self._call(self._stub.Propose, request)
-        self.rpc_s += time.perf_counter() - start
+        return request
+
+    def _send_propose(self, request_id: str, session: _ClientSession, k: int) -> None:
+        request = self._propose_request(request_id, session, k)
+        sent_at = time.perf_counter()
+        future = self._stub.Propose.future(request, timeout=self.timeout_s)
+        done_at = []
+        future.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+        session.prefetch = (k, future, sent_at, done_at)
+
+    def propose(self, request_id: str, k: int) -> DraftBlock:
+        session = self._sessions[request_id]
+        self._opened(session)
+        if session.prefetch is None:  # a blocking call: no hand-off between threads
+            start = time.perf_counter()
+            msg = self._call(self._stub.Propose, self._propose_request(request_id, session, k))
+            self.rpc_s += time.perf_counter() - start
+        else:
+            sent_k, future, sent_at, done_at = session.prefetch
+            session.prefetch = None
+            if sent_k != k:  # the engine broke its next_k promise: drop the block
+                future.cancel()
+                raise StaleBlockError(f"{request_id}: prefetched {sent_k} tokens, asked {k}")
+            msg = self._result(future)
+            self.rpc_s += (done_at[0] if done_at else time.perf_counter()) - sent_at
         self.remote_draft_s += msg.draft_s
         block = self.check(msg, request_id, k)
         session.pending_seq = msg.block_seq
@@ -121,9 +159,12 @@ class GrpcDrafter:
             vocab=self.vocab_size,
         )
 
-    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+    def commit(
+        self, request_id: str, epoch: int, num_accepted: int, next_token: int, *, next_k: int = 0
+    ) -> None:
         """Record the commit; it travels with the next Propose (one round trip a step
-        instead of two). `flush` sends recorded commits on their own."""
+        instead of two), which leaves now when next_k > 0. `flush` sends recorded
+        commits on their own."""
         session = self._sessions[request_id]
         session.unsent.append(
             pb.CommitRequest(
@@ -137,6 +178,8 @@ class GrpcDrafter:
         session.applied_seq = max(session.applied_seq, session.pending_seq)
         session.pending_seq = 0
         session.committed = epoch + num_accepted + 1
+        if self.pipeline and next_k > 0 and session.opening is None and session.prefetch is None:
+            self._send_propose(request_id, session, next_k)
 
     def flush(self, request_id: str) -> None:
         """Wait for Open and send the recorded commits now (tests drive the protocol
@@ -151,6 +194,8 @@ class GrpcDrafter:
         session = self._sessions.pop(request_id, None)
         if session is None:
             return
+        if session.prefetch is not None:  # a block nobody will use
+            session.prefetch[1].cancel()
         if session.opening is not None:  # Close must follow Open, or Open would reopen
             with contextlib.suppress(grpc.RpcError):
                 session.opening.result()

@@ -36,8 +36,13 @@ class Drafter(Protocol):
     def propose(self, request_id: str, k: int) -> DraftBlock:
         """Draft k tokens after the committed text."""
 
-    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
-        """Keep the first num_accepted drafted tokens, then next_token; drop the rest."""
+    def commit(
+        self, request_id: str, epoch: int, num_accepted: int, next_token: int, *, next_k: int = 0
+    ) -> None:
+        """Keep the first num_accepted drafted tokens, then next_token; drop the rest.
+        next_k: the engine's next propose will ask for next_k tokens (0: none is coming
+        for sure); a remote drafter may start drafting them now, overlapping the
+        engine's bookkeeping. The block must be the one propose(next_k) would return."""
 
     def release(self, request_id: str) -> None:
         """Free the request's cache (idempotent)."""

@@ -56,7 +56,9 @@ class LocalDrafter:
         req.pending, req.drafted = [], tokens
         return DraftBlock(request_id, req.committed, tuple(tokens), torch.stack(rows))
 
-    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+    def commit(
+        self, request_id: str, epoch: int, num_accepted: int, next_token: int, *, next_k: int = 0
+    ) -> None:
         req = self._reqs[request_id]
         if epoch != req.committed:
             raise StaleBlockError(f"{request_id}: commit for length {epoch}, at {req.committed}")

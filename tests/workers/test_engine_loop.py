@@ -1,4 +1,5 @@
-"""The engine loop (one thread steps every request, round-robin) on the embedded models."""
+"""The engine loop (one thread steps every request, round-robin) on the embedded models,
+and the engine's next-block hint to the drafter."""
 
 from __future__ import annotations
 
@@ -95,3 +96,32 @@ def test_shutdown_ends_running_requests(embedded_engine, heldout_prompts):
     assert embedded_engine.verifier.runner.num_sequences == 0
     with pytest.raises(EngineLoopStopped):
         loop.submit(_req(heldout_prompts[3], "late"))
+
+
+def test_next_block_hint_matches_the_next_propose(embedded_engine, heldout_prompts, monkeypatch):
+    """commit(next_k=n) promises the next propose asks for n tokens (a remote drafter
+    drafts them before being asked); 0 when no propose follows for sure."""
+    calls = []
+    drafter = embedded_engine.drafter
+    propose, commit = drafter.propose, drafter.commit
+
+    def rec_propose(rid, k):
+        calls.append(("propose", k))
+        return propose(rid, k)
+
+    def rec_commit(rid, epoch, accepted, token, *, next_k=0):
+        calls.append(("commit", next_k))
+        return commit(rid, epoch, accepted, token, next_k=next_k)
+
+    monkeypatch.setattr(drafter, "propose", rec_propose)
+    monkeypatch.setattr(drafter, "commit", rec_commit)
+    for max_tokens in (7, 23):
+        calls.clear()
+        req = _req(heldout_prompts[4], f"hint{max_tokens}", max_tokens=max_tokens)
+        assert embedded_engine.generate(req).finish_reason == "LENGTH"
+        hints = [(i, n) for i, (kind, n) in enumerate(calls) if kind == "commit"]
+        assert any(n > 0 for _, n in hints)
+        for i, n in hints:
+            if n > 0:
+                assert calls[i + 1] == ("propose", n)
+        assert calls[-1] == ("commit", 0)  # the request ends: no block is asked for
