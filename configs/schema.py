@@ -104,6 +104,25 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class BatchingConfig:
+    max_num_seqs: int = doc(
+        "requests in one engine batch (rows of the draft pass and the verifier forward); "
+        "more wait for a row",
+        32,
+    )
+    max_num_batched_tokens: int = doc(
+        "tokens one engine step computes: the running rows' K + 1 first, then chunks of "
+        "waiting prompts (vLLM's chunked prefill budget)",
+        512,
+    )
+    kv_budget_tokens: int | None = doc(
+        "verifier KV-cache slots per replica (rows x longest reservation); a request that "
+        "does not fit waits. null = max_num_seqs x the model's context",
+        None,
+    )
+
+
+@dataclass(frozen=True)
 class AutoscalingConfig:
     min_replicas: int = doc("replicas kept at idle", 1)
     max_replicas: int = doc("upper bound under load", 1)
@@ -123,6 +142,7 @@ class ServeConfig:
     sampling: SamplingConfig = doc("sampling defaults", default_factory=SamplingConfig)
     auth: AuthConfig = doc("optional bearer token", default_factory=AuthConfig)
     limits: LimitsConfig = doc("queues and sizes", default_factory=LimitsConfig)
+    batching: BatchingConfig = doc("continuous batching", default_factory=BatchingConfig)
     autoscaling: AutoscalingConfig = doc("replica autoscaling", default_factory=AutoscalingConfig)
     grpc_port: int = doc("public gRPC port (the Serve proxy listens on it)", 9000)
     app_name: str = doc("Serve application name", "cactus")
@@ -283,6 +303,14 @@ def validate(c: ServeConfig) -> None:
         "must be >= -1 (-1 = unbounded)",
     )
     _check(lim.max_message_bytes >= 1024, "limits.max_message_bytes", "must be >= 1024")
+    b = c.batching
+    _check(b.max_num_seqs >= 1, "batching.max_num_seqs", "must be >= 1")
+    _check(b.max_num_batched_tokens >= 1, "batching.max_num_batched_tokens", "must be >= 1")
+    _check(
+        b.kv_budget_tokens is None or b.kv_budget_tokens >= 64,
+        "batching.kv_budget_tokens",
+        "must be null or >= 64",
+    )
     a = c.autoscaling
     _check(
         1 <= a.min_replicas <= a.max_replicas,

@@ -176,7 +176,10 @@ class CactusIngress:
                 r.verifier_rank.num_cpus, r.verifier_rank.num_gpus, dict(r.verifier_rank.resources)
             ),
             start_timeout_s=c.limits.start_timeout_s,
-            max_concurrency=max(4, c.limits.max_ongoing_requests * 2),
+            max_concurrency=max(4, c.limits.max_ongoing_requests * 2, c.batching.max_num_seqs * 2),
+            max_num_seqs=c.batching.max_num_seqs,
+            max_num_batched_tokens=c.batching.max_num_batched_tokens,
+            kv_budget_tokens=c.batching.kv_budget_tokens,
         )
         pg = ray.util.get_current_placement_group()
         return EngineGroup(group_config, placement_group=pg, first_bundle=1).start()

@@ -1,10 +1,11 @@
 """Pure tensor functions for the acceptance step (no Ray, gRPC, logging or host syncs
 in the hot path). See ../shared/spec/acceptance.md for the maths."""
 
+from kernels.metadata import AcceptMetadata, AcceptResult, RaggedMetadata
+from kernels.ragged import ragged_accept
 from kernels.rejection import (
     PLACEHOLDER_TOKEN_ID,
     RULES,
-    AcceptResult,
     adjusted_target_mass,
     speculative_accept,
 )
@@ -13,11 +14,14 @@ from kernels.sampling import draw_uniforms, inverse_cdf_sample, processed_probs,
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
     "RULES",
+    "AcceptMetadata",
     "AcceptResult",
+    "RaggedMetadata",
     "adjusted_target_mass",
     "draw_uniforms",
     "inverse_cdf_sample",
     "processed_probs",
+    "ragged_accept",
     "sample",
     "speculative_accept",
 ]

@@ -26,12 +26,12 @@ same draws whatever it decides, which is what makes delta = 0 bit-identical to s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from kernels import validation
 from kernels.divergence import binary_kl, cactus_boost, cactus_exact_boost, rest_scale
+from kernels.metadata import AcceptMetadata, AcceptResult
 from kernels.sampling import (
     SAMPLE_BLOCK,
     block_columns,
@@ -47,93 +47,91 @@ RESIDUAL_CHUNK_BLOCKS = 16
 RULES = validation.RULES
 
 
-@dataclass(frozen=True)
-class AcceptResult:
-    output_token_ids: torch.Tensor  # [B, K + 1] int64, PLACEHOLDER_TOKEN_ID after the end
-    num_accepted: torch.Tensor  # [B] int64, accepted drafted tokens (bonus not counted)
-    divergence_nats: torch.Tensor  # [B] float64, sum of d(h_n || q_n) over emitted positions
-
-
 def speculative_accept(
     draft_token_ids: torch.Tensor,  # [B, K]
     draft_probs: torch.Tensor,  # [B, K, V]
     target_probs: torch.Tensor,  # [B, K + 1, V]
-    *,
-    rule: str,
-    delta: float | torch.Tensor = 0.0,  # nats; float or [B]
-    generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,  # [B, K + 1] float64, injected draws
-    tas_threshold: float = 0.09,
-    tas_alpha: float | None = None,  # None = sqrt(tas_threshold), the paper's code
-    divergence_budget: torch.Tensor | None = None,  # [B] nats left before delta drops to 0
-    validate: bool = True,
-    backend: str = "auto",  # "torch", "triton", or "auto" (triton for CUDA float32)
+    metadata: AcceptMetadata | None = None,
+    **kwargs,  # or AcceptMetadata's fields as keywords: rule=..., delta=..., ...
 ) -> AcceptResult:
     """Verify K drafted tokens per sequence and emit the accepted, recovered or bonus tokens.
 
+    How to verify comes as one `AcceptMetadata` or as its fields in keywords (not both).
     `divergence_budget` implements max_divergence_nats: positions whose running
     divergence would exceed a sequence's budget use delta = 0 from there on (tas ignores
     delta and the budget). Raises ValueError naming the argument on bad input.
     """
+    if metadata is None:
+        metadata = AcceptMetadata(**kwargs)
+    elif kwargs:
+        raise ValueError(
+            "metadata: pass an AcceptMetadata or keyword arguments, not both "
+            f"(got keywords {sorted(kwargs)})"
+        )
+    elif not isinstance(metadata, AcceptMetadata):
+        raise ValueError(f"metadata: expected an AcceptMetadata, got {type(metadata).__name__}")
+    backend = metadata.backend
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
-    use_triton = backend == "triton" or (
+    if backend == "triton" or (
         backend == "auto" and target_probs.is_cuda and target_probs.dtype == torch.float32
-    )
-    if use_triton:
+    ):
         from kernels.triton_accept import speculative_accept_triton  # needs triton
 
-        return speculative_accept_triton(
-            draft_token_ids,
-            draft_probs,
-            target_probs,
-            rule=rule,
-            delta=delta,
-            generator=generator,
-            uniforms=uniforms,
-            tas_threshold=tas_threshold,
-            tas_alpha=tas_alpha,
-            divergence_budget=divergence_budget,
-            validate=validate,
-        )
-    batch, k, vocab = validation.check_arguments(
-        draft_token_ids,
-        draft_probs,
-        target_probs,
-        rule=rule,
-        delta=delta,
-        uniforms=uniforms,
-        tas_threshold=tas_threshold,
-        tas_alpha=tas_alpha,
-        divergence_budget=divergence_budget,
-        validate=validate,
-    )
+        return speculative_accept_triton(draft_token_ids, draft_probs, target_probs, metadata)
+    return _accept_torch(draft_token_ids, draft_probs, target_probs, metadata)
 
+
+def _accept_torch(
+    draft_token_ids: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V]
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    metadata: AcceptMetadata,
+) -> AcceptResult:
+    """The torch path: gathered [B, K] acceptance, then one streamed [V] row per sequence."""
+    batch, k, vocab = validation.check_arguments(
+        draft_token_ids, draft_probs, target_probs, metadata
+    )
     device = target_probs.device
+    uniforms = metadata.uniforms  # [B, K + 1] float64
     if uniforms is None:
-        uniforms = torch.rand(batch, k + 1, dtype=torch.float64, generator=generator, device=device)
+        uniforms = torch.rand(
+            batch, k + 1, dtype=torch.float64, generator=metadata.generator, device=device
+        )
     ids = draft_token_ids.to(torch.int64)
     q_n = target_probs[:, :k].gather(-1, ids[..., None])[..., 0]  # [B, K]
     p_n = draft_probs.gather(-1, ids[..., None])[..., 0]  # [B, K]
+    if metadata.rule == "tas":
+        return _accept_typical(target_probs, ids, q_n, uniforms[:, k], metadata)
 
-    if rule == "tas":
-        alpha = math.sqrt(tas_threshold) if tas_alpha is None else tas_alpha
-        accepted = typical_accept(target_probs[:, :k], q_n, threshold=tas_threshold, alpha=alpha)
-        h_n = q_n.to(torch.float64)
-    else:
-        delta_t = torch.as_tensor(delta, dtype=torch.float64, device=device).expand(batch)
-        h_n = adjusted_target_mass(q_n, delta_t[:, None].expand(batch, k), rule, divergence_budget)
-        # p_n = 0 means reject: the draft could not have sampled n (spec). No division.
-        accepted = (p_n > 0) & (uniforms[:, :k] * p_n.to(torch.float64) < h_n)
-
+    delta = torch.as_tensor(metadata.delta, dtype=torch.float64, device=device).expand(batch)
+    h_n = adjusted_target_mass(
+        q_n, delta[:, None].expand(batch, k), metadata.rule, metadata.divergence_budget
+    )
+    # p_n = 0 means reject: the draft could not have sampled n (spec). No division.
+    accepted = (p_n > 0) & (uniforms[:, :k] * p_n.to(torch.float64) < h_n)
     num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
-    if rule == "tas":
-        last, q_best = _typical_final(target_probs, num_accepted, uniforms[:, k])
-        divergence = _typical_divergence(q_n, q_best, num_accepted)
-    else:
-        row = _FinalRow(target_probs, draft_probs, ids, h_n, q_n, num_accepted)
-        last = _final_tokens(row, uniforms[:, k], vocab)
-        divergence = _emitted_sum(binary_kl(h_n, q_n), num_accepted)
+    row = _FinalRow(target_probs, draft_probs, ids, h_n, q_n, num_accepted)
+    last = _final_tokens(row, uniforms[:, k], vocab)
+    divergence = _emitted_sum(binary_kl(h_n, q_n), num_accepted)
+    return AcceptResult(_assemble(ids, num_accepted, last), num_accepted, divergence)
+
+
+def _accept_typical(
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    ids: torch.Tensor,  # [B, K] int64
+    q_n: torch.Tensor,  # [B, K]
+    u_final: torch.Tensor,  # [B] float64
+    metadata: AcceptMetadata,
+) -> AcceptResult:
+    """tas: deterministic acceptance (ignores p, delta and the budget), argmax recovery."""
+    k = ids.shape[1]
+    threshold = metadata.tas_threshold
+    alpha = math.sqrt(threshold) if metadata.tas_alpha is None else metadata.tas_alpha
+    accepted = typical_accept(target_probs[:, :k], q_n, threshold=threshold, alpha=alpha)
+    num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
+    last, q_best = _typical_final(target_probs, num_accepted, u_final)
+    divergence = _typical_divergence(q_n, q_best, num_accepted)
     return AcceptResult(_assemble(ids, num_accepted, last), num_accepted, divergence)
 
 

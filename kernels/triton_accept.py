@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import validation
-from kernels.rejection import AcceptResult
+from kernels.metadata import AcceptMetadata, AcceptResult
 
 RULE_CODES = {"sps": 0, "cactus": 1, "cactus_exact": 2, "tas": 3}
 BLOCK_V = 1024
@@ -32,54 +32,42 @@ def speculative_accept_triton(
     draft_token_ids: torch.Tensor,  # [B, K]
     draft_probs: torch.Tensor,  # [B, K, V] float32
     target_probs: torch.Tensor,  # [B, K + 1, V] float32
-    *,
-    rule: str,
-    delta: float | torch.Tensor = 0.0,
-    generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,  # [B, K + 1] float64
-    tas_threshold: float = 0.09,
-    tas_alpha: float | None = None,
-    divergence_budget: torch.Tensor | None = None,
-    validate: bool = True,
+    metadata: AcceptMetadata,  # metadata.backend is not read: this is the triton backend
 ) -> AcceptResult:
     """Same arguments and result as `kernels.speculative_accept`; float32 probabilities."""
     batch, k, vocab = validation.check_arguments(
-        draft_token_ids,
-        draft_probs,
-        target_probs,
-        rule=rule,
-        delta=delta,
-        uniforms=uniforms,
-        tas_threshold=tas_threshold,
-        tas_alpha=tas_alpha,
-        divergence_budget=divergence_budget,
-        validate=validate,
+        draft_token_ids, draft_probs, target_probs, metadata
     )
     device = target_probs.device
+    uniforms = metadata.uniforms  # [B, K + 1] float64
     if uniforms is None:
-        uniforms = torch.rand(batch, k + 1, dtype=torch.float64, generator=generator, device=device)
-    delta_t = torch.as_tensor(delta, dtype=torch.float64, device=device).expand(batch).contiguous()
-    has_budget = divergence_budget is not None
-    budget = (divergence_budget if has_budget else delta_t).to(torch.float64).contiguous()
+        uniforms = torch.rand(
+            batch, k + 1, dtype=torch.float64, generator=metadata.generator, device=device
+        )
+    threshold = metadata.tas_threshold
+    alpha = math.sqrt(threshold) if metadata.tas_alpha is None else metadata.tas_alpha
+    delta = torch.as_tensor(metadata.delta, dtype=torch.float64, device=device)
+    delta = delta.expand(batch).contiguous()  # [B]
+    has_budget = metadata.divergence_budget is not None
+    budget = (metadata.divergence_budget if has_budget else delta).to(torch.float64).contiguous()
     out = torch.empty(batch, k + 1, dtype=torch.int64, device=device)
     num = torch.empty(batch, dtype=torch.int64, device=device)
     div = torch.empty(batch, dtype=torch.float64, device=device)
-    alpha = math.sqrt(tas_threshold) if tas_alpha is None else tas_alpha
     accept_kernel[(batch,)](
         draft_token_ids.to(torch.int64).contiguous(),
         draft_probs.float().contiguous(),
         target_probs.float().contiguous(),
         uniforms.to(torch.float64).contiguous(),
-        delta_t,
+        delta,
         budget,
         out,
         num,
         div,
         k,
         vocab,
-        float(tas_threshold),
+        float(threshold),
         float(alpha),
-        RULE=RULE_CODES[rule],
+        RULE=RULE_CODES[metadata.rule],
         HAS_BUDGET=has_budget,
         BLOCK=BLOCK_V,
         STEPS=EXACT_BISECTION_STEPS,

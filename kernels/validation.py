@@ -1,4 +1,5 @@
-"""Argument checks for `speculative_accept`: every failure is a ValueError naming the argument.
+"""Argument checks for `speculative_accept` and `ragged_accept`: every failure is a
+ValueError naming the argument.
 
 Shape, rule and scalar checks are cheap and always run. The checks that scan the
 [B, K, V] probability tensors (finite, non-negative) and the token-id range run when
@@ -12,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kernels.metadata import AcceptMetadata, RaggedMetadata
 
 RULES = ("sps", "cactus", "cactus_exact", "tas")
 
@@ -66,6 +69,8 @@ def check_values(
     elementwise checks only to word the error once something is wrong.
     """
     for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        if t.numel() == 0:
+            continue
         low, high = torch.aminmax(t)
         if bool(low >= 0) and bool(high < math.inf):
             continue
@@ -121,27 +126,102 @@ def check_tas(threshold: float, alpha: float | None) -> None:
 
 
 def check_arguments(
-    draft_token_ids,
-    draft_probs,
-    target_probs,
-    *,
-    rule,
-    delta,
-    uniforms,
-    tas_threshold,
-    tas_alpha,
-    divergence_budget,
-    validate,
+    draft_token_ids: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V]
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    metadata: AcceptMetadata,
 ) -> tuple[int, int, int]:
     """Every check of the `speculative_accept` contract (torch and Triton paths alike).
-    Returns (B, K, V); the [B, K, V] scans run only when `validate`."""
-    check_rule(rule)
+    Returns (B, K, V); the [B, K, V] scans run only when `metadata.validate`."""
+    check_rule(metadata.rule)
     batch, k, vocab = check_shapes(draft_token_ids, draft_probs, target_probs)
-    check_delta(delta, batch)
-    if rule == "tas":
-        check_tas(tas_threshold, tas_alpha)
-    if validate:
-        check_uniforms(uniforms, batch, k)
-        check_budget(divergence_budget, batch)
+    check_delta(metadata.delta, batch)
+    if metadata.rule == "tas":
+        check_tas(metadata.tas_threshold, metadata.tas_alpha)
+    if metadata.validate:
+        check_uniforms(metadata.uniforms, batch, k)
+        check_budget(metadata.divergence_budget, batch)
         check_values(draft_token_ids, draft_probs, target_probs, vocab)
     return batch, k, vocab
+
+
+def check_ragged(
+    draft_token_ids: torch.Tensor,  # [sum K_i]
+    draft_probs: torch.Tensor,  # [sum K_i, V]
+    target_probs: torch.Tensor,  # [sum (K_i + 1), V]
+    metadata: RaggedMetadata,
+    *,
+    validate: bool,
+) -> int:
+    """The `ragged_accept` contract; returns V. Per-group rule arguments (tas_threshold,
+    tas_alpha) are checked again by the `speculative_accept` call of each group."""
+    counts = metadata.num_draft_tokens
+    batch = len(counts)
+    if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in counts):
+        raise ValueError(f"num_draft_tokens: expected ints >= 0, got {counts!r}")
+    for name in ("rules", "tas_threshold"):
+        if len(getattr(metadata, name)) != batch:
+            raise ValueError(
+                f"{name}: expected {batch} entries (one per row of num_draft_tokens), "
+                f"got {len(getattr(metadata, name))}"
+            )
+    for i, (k, rule) in enumerate(zip(counts, metadata.rules, strict=True)):
+        if k > 0 and rule not in RULES:
+            raise ValueError(f"rules: unknown acceptance rule {rule!r} at row {i}; {RULES}")
+    vocab = _check_flat_shapes(draft_token_ids, draft_probs, target_probs, counts)
+    _check_row_tensors(metadata, batch, max(counts, default=0) + 1, validate=validate)
+    if validate:
+        check_values(draft_token_ids, draft_probs, target_probs, vocab)
+    return vocab
+
+
+def _check_flat_shapes(draft_token_ids, draft_probs, target_probs, counts) -> int:
+    """Flattened tensors against sum K_i and B; returns V."""
+    total, batch = sum(counts), len(counts)
+    if draft_token_ids.dim() != 1 or draft_token_ids.shape[0] != total:
+        raise ValueError(
+            f"draft_token_ids: expected shape [{total}] (sum of num_draft_tokens), "
+            f"got {tuple(draft_token_ids.shape)}"
+        )
+    if draft_token_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"draft_token_ids: expected int64 or int32, got {draft_token_ids.dtype}")
+    if draft_probs.dim() != 2 or draft_probs.shape[0] != total or draft_probs.shape[1] < 1:
+        raise ValueError(
+            f"draft_probs: expected shape [{total}, V] (sum of num_draft_tokens), "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    vocab = draft_probs.shape[1]
+    if tuple(target_probs.shape) != (total + batch, vocab):
+        raise ValueError(
+            f"target_probs: expected shape [{total + batch}, {vocab}] (sum of "
+            f"num_draft_tokens + 1 per row), got {tuple(target_probs.shape)}"
+        )
+    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating dtype, got {t.dtype}")
+    return vocab
+
+
+def _check_row_tensors(metadata: RaggedMetadata, batch: int, width: int, *, validate) -> None:
+    """delta, divergence_budget [B]; uniforms [B, >= max K_i + 1]."""
+    for name in ("delta", "divergence_budget"):
+        t = getattr(metadata, name)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (batch,):
+            raise ValueError(f"{name}: expected a [{batch}] float64 tensor")
+    check_delta(metadata.delta, batch)
+    uniforms = metadata.uniforms
+    if not isinstance(uniforms, torch.Tensor) or uniforms.dim() != 2:
+        raise ValueError(f"uniforms: expected a [{batch}, {width}] float64 tensor")
+    if uniforms.shape[0] != batch or uniforms.shape[1] < width:
+        raise ValueError(
+            f"uniforms: expected shape [{batch}, >= {width}] (max K_i + 1 columns), "
+            f"got {tuple(uniforms.shape)}"
+        )
+    if validate:
+        check_budget(metadata.divergence_budget, batch)
+        # Only row i's first K_i + 1 draws are read; the padding after them may be anything.
+        counts = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64, device=uniforms.device)
+        used = torch.arange(width, device=uniforms.device)[None, :] <= counts[:, None]
+        inside = (uniforms[:, :width] >= 0) & (uniforms[:, :width] < 1)
+        if not bool((inside | ~used).all()):
+            raise ValueError("uniforms: values must lie in [0, 1)")

@@ -37,16 +37,17 @@ class DraftActor:
         device: str = "cpu",
         threads: int = 1,
         lease_s: float = 120.0,
+        max_num_seqs: int = 32,
     ) -> None:
         import torch
 
         _quiet_hf()
         torch.set_num_threads(threads)
+        from workers.batch_runner import BatchRunner
         from workers.draft_service import DraftServicer
         from workers.local import LocalDrafter
-        from workers.model_runner import ModelRunner
 
-        self.runner = ModelRunner(draft_dir, dtype=dtype, device=device)
+        self.runner = BatchRunner(draft_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs)
         self.servicer = DraftServicer(LocalDrafter(self.runner), default_lease_s=lease_s)
         self.server = None
         self.port = 0
@@ -102,6 +103,8 @@ class VerifierRank:
         device: str = "cpu",
         threads: int = 1,
         shm_allreduce: bool = False,
+        max_num_seqs: int = 32,
+        kv_budget_tokens: int | None = None,
     ) -> dict:
         """Join the group and load the shard (blocks until every rank has joined)."""
         _quiet_hf()
@@ -116,6 +119,8 @@ class VerifierRank:
             device=device,
             threads=threads,
             shm_allreduce=shm_allreduce,
+            max_num_seqs=max_num_seqs,
+            kv_budget_tokens=kv_budget_tokens,
         )
         return {
             "rank": self.rank,
@@ -129,8 +134,11 @@ class VerifierRank:
 
         return follow(self.runner)
 
-    def connect(self, draft_address: str, *, limits=None, timeout_s: float = 30.0) -> None:
-        """Rank 0: build the engine over the draft actor and the mirrored verifier."""
+    def connect(
+        self, draft_address: str, *, limits=None, scheduler=None, timeout_s: float = 30.0
+    ) -> None:
+        """Rank 0: build the engine over the draft actor and the mirrored verifier; one
+        engine-loop thread steps the whole batch."""
         from workers.engine import SpeculativeEngine
         from workers.engine_loop import EngineLoop
         from workers.grpc_drafter import GrpcDrafter
@@ -142,9 +150,16 @@ class VerifierRank:
             draft_address, vocab_size=self.runner.vocab_size, timeout_s=timeout_s
         )
         self.engine = SpeculativeEngine(
-            self.drafter, LocalVerifier(self.mirror), self.runner.tokenizer, limits=limits
+            self.drafter,
+            LocalVerifier(self.mirror),
+            self.runner.tokenizer,
+            limits=limits,
+            scheduler=scheduler,
         )
-        self.loop = EngineLoop(self.engine)  # every step runs on this one thread
+        from workers.engine_metrics import EngineMetrics
+
+        self.metrics = EngineMetrics()
+        self.loop = EngineLoop(self.engine, on_step=self.metrics.record)
 
     def model_info(self) -> dict:
         r = self.runner
@@ -190,18 +205,25 @@ class VerifierRank:
     def logits(self, token_ids: list[int]) -> torch.Tensor:  # noqa: F821
         """Verifier logits [n, V] for a token sequence, through the sharded model."""
         seq = f"logits-{time.monotonic_ns()}"
-        self.mirror.start(seq)
+        self.mirror.start(seq, len(token_ids))
         try:
-            return self.mirror.forward(seq, token_ids)
+            return self.mirror.forward([seq], [token_ids])[0]
         finally:
             self.mirror.release(seq)
 
     def timings(self) -> dict:
         return {
             "broadcast_s": self.mirror.broadcast_s,
+            "broadcasts": self.mirror.broadcasts,
             "rpc_s": self.drafter.rpc_s,
             "remote_draft_s": self.drafter.remote_draft_s,
+            **self.engine.timing.as_dict(),
         }
+
+    def load(self) -> dict:
+        """Running and waiting requests of the engine (the ingress exports them)."""
+        sched = self.engine.scheduler
+        return {"running": sched.num_rows, "waiting": len(sched.waiting)}
 
     def cache_count(self) -> int:
         return self.runner.num_sequences

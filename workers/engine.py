@@ -1,25 +1,35 @@
-"""The speculative engine: one step, propose -> score -> accept -> commit.
+"""The batched speculative engine: every running request in one step,
+propose -> score -> accept -> commit.
 
-The engine owns the request lifecycle (validation, stop conditions, detokenisation,
-statistics) and talks to a Drafter and a Verifier (workers/interfaces.py). The same
-step runs in-process and, in the distributed engine, on the verifier's rank 0 with the
-drafter behind gRPC: only the transport differs.
+One `step()` admits waiting requests into free rows (workers/scheduler.py), runs ONE
+batched draft pass over every drafting row, ONE verifier forward over every running row,
+one ragged acceptance over all of them, and commits per row; then it spends what is left
+of the step's token budget on prompt chunks. Per-request bookkeeping (stops,
+detokenising, statistics, chunks) lives in workers/request.py. The same engine runs
+in-process (tests, `cactus generate`) and on the verifier's rank 0 of the distributed
+engine (drafter behind gRPC, verifier mirrored across TP ranks): only the transport
+differs. Requests join and leave between any two steps.
+
+Rows differ in K (K shrinks near max_tokens and the context end; rule none and degraded
+requests have K = 0), rule, delta, TAS threshold and divergence budget; the kernel's
+ragged entry point handles all of them in one call (vLLM's flattened drafts with per-row
+counts).
 
 Randomness: a request with seed s drafts with torch.Generator(s) on the draft side and
-draws its acceptance uniforms from torch.Generator(s ^ VERIFY_SEED_SALT) here, so a
-seeded request gives the same tokens whatever else is running.
+draws its acceptance uniforms from torch.Generator(s ^ VERIFY_SEED_SALT) here, K_i + 1
+per step, so a seeded request gives the same tokens whatever else is in its batch.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from cactus.detokenize import IncrementalDetokenizer
 from cactus.errors import (
     InvalidRequestError,
     RequestCancelledError,
@@ -27,103 +37,52 @@ from cactus.errors import (
     WorkerUnavailableError,
 )
 from cactus.params import GenerationRequest, Limits, validate_request
-from kernels import draw_uniforms, inverse_cdf_sample, processed_probs, speculative_accept
-from workers.interfaces import Drafter, Verifier
+from kernels import RaggedMetadata, ragged_accept
+from workers.batching import padded_uniforms, processed_rows
+from workers.interfaces import DraftBlock, Drafter, ProposeRow, Verifier
+from workers.request import (
+    VERIFY_SEED_SALT,
+    GenerationChunk,
+    GenerationResult,
+    RequestState,
+    Sink,
+    SpecStats,
+)
+from workers.scheduler import Scheduler, SchedulerConfig
 
-VERIFY_SEED_SALT = 0x5EED_CAC7_0000_0001
 DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
+
+__all__ = [
+    "VERIFY_SEED_SALT",
+    "GenerationChunk",
+    "GenerationResult",
+    "SpecStats",
+    "SpeculativeEngine",
+    "StepTiming",
+]
 
 
 @dataclass
-class SpecStats:
-    """Per-request speculation statistics (vLLM's names)."""
+class StepTiming:
+    """Engine-wide totals of the batched steps (benchmarks read them)."""
 
-    num_drafts: int = 0  # verify steps that carried a draft block
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    divergence_nats: float = 0.0
-    draft_failures: int = 0  # the drafter failed; the request went on without drafts
+    steps: int = 0  # decode steps
+    rows: int = 0  # sum of decode batch sizes
     draft_s: float = 0.0
     verify_s: float = 0.0
-    kernel_s: float = 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+    accept_s: float = 0.0
+    bookkeeping_s: float = 0.0  # commits, emission, detokenising
+    prefill_s: float = 0.0
+    batch_sizes: Counter = field(default_factory=Counter)  # decode batch size -> steps
 
     def as_dict(self) -> dict:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": list(self.accepted_per_position),
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "acceptance_rate": self.acceptance_rate,
-            "divergence_nats": self.divergence_nats,
-            "draft_failures": self.draft_failures,
-            "draft_s": self.draft_s,
-            "verify_s": self.verify_s,
-            "kernel_s": self.kernel_s,
-        }
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str  # EOS, STOP (stop id), STOP_SEQUENCE, LENGTH
-    prompt_tokens: int
-    seed: int
-    stats: SpecStats
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """Streamed output: new tokens and text. The last chunk has the finish reason and
-    the whole result."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
-    result: GenerationResult | None = None
-
-
-class _State:
-    """One request in flight."""
-
-    def __init__(
-        self, request: GenerationRequest, prompt_ids: list[int], seed: int, eos: int | None
-    ):
-        self.request = request
-        self.id = request.request_id
-        self.prompt_ids = prompt_ids
-        self.seed = seed
-        self.eos = eos
-        self.generator = torch.Generator().manual_seed(seed ^ VERIFY_SEED_SALT)
-        self.generated: list[int] = []
-        self.stats = SpecStats(
-            accepted_per_position=[0] * request.speculation.num_speculative_tokens
-        )
-        self.finish_reason: str | None = None
-        self.released_chars = 0  # text already handed to the caller
-        self.drafting = request.speculation.rule != "none"  # False once the drafter failed
-        limit = request.time_limit_s
-        self.deadline = time.monotonic() + limit if limit else None
-
-    @property
-    def committed(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
+        out = dict(self.__dict__)
+        out["batch_sizes"] = dict(self.batch_sizes)
+        return out
 
 
 class SpeculativeEngine:
-    """Generates text for requests with a Drafter and a Verifier."""
+    """Generates text for a changing batch of requests with a Drafter and a Verifier."""
 
     def __init__(
         self,
@@ -133,6 +92,7 @@ class SpeculativeEngine:
         *,
         limits: Limits | None = None,
         eos_token_id: int | None = None,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         self.drafter = drafter
         self.verifier = verifier
@@ -141,8 +101,60 @@ class SpeculativeEngine:
             max_context=verifier.max_context, vocab_size=verifier.vocab_size
         )
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.scheduler = Scheduler(scheduler)
+        self.timing = StepTiming()
+        self._live: dict[str, RequestState] = {}
 
-    # ---- public API -------------------------------------------------------------------
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(
+        self, request: GenerationRequest, sink: Sink, *, cancelled: Callable[[], bool] | None = None
+    ) -> RequestState:
+        """Validate and queue a request; its chunks (or the exception that ends it) go
+        to `sink`. Raises InvalidRequestError naming the field."""
+        if not request.request_id:
+            request = replace(request, request_id=f"req-{secrets.token_hex(8)}")
+        if request.request_id in self._live:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+        validate_request(request, self.limits)
+        prompt_ids = self._prompt_ids(request)
+        validate_request(request, self.limits, prompt_len=len(prompt_ids))
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        state = RequestState(
+            request,
+            prompt_ids,
+            seed=seed,
+            eos=self.eos_token_id,
+            tokenizer=self.tokenizer,
+            max_context=self.limits.max_context,
+            sink=sink,
+            cancelled=cancelled,
+        )
+        most = self.verifier.max_reserve_tokens
+        if state.reserve_tokens > most:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens + K need {state.reserve_tokens} KV slots; "
+                f"the KV budget allows {most} per request",
+            )
+        self.scheduler.add(state)
+        self._live[state.id] = state
+        return state
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """End a request now (its caller gets `error`, default RequestCancelledError)."""
+        state = self._live.get(request_id)
+        if state is not None:
+            self._end(state, error or RequestCancelledError(f"request {request_id} cancelled"))
+
+    def abort_all(self, error: BaseException) -> None:
+        for state in list(self._live.values()):
+            self._end(state, error)
+
+    # ---- convenience: run requests on the calling thread -----------------------------
 
     def generate(
         self, request: GenerationRequest, *, cancelled: Callable[[], bool] | None = None
@@ -155,131 +167,211 @@ class SpeculativeEngine:
     def stream(
         self, request: GenerationRequest, *, cancelled: Callable[[], bool] | None = None
     ) -> Iterator[GenerationChunk]:
-        """Yield chunks as tokens are committed. `cancelled` is polled between steps; when
-        it returns True the request's caches are freed and RequestCancelledError raised."""
-        state = self._open(request)
-        detok = IncrementalDetokenizer(self.tokenizer)
+        """Add the request and step the engine until it ends (other requests in the
+        engine step along). Closing the iterator early frees its rows."""
+        out: deque = deque()
+        state = self.add_request(request, out.append, cancelled=cancelled)
         try:
-            while state.finish_reason is None:
-                if cancelled is not None and cancelled():
-                    raise RequestCancelledError(f"request {state.id} cancelled")
-                if state.deadline is not None and time.monotonic() > state.deadline:
-                    state.finish_reason = "TIME_LIMIT"
-                    detok.flush()
-                    break
-                new_tokens = self._emit(state, self.step(state), detok)
-                text = self._releasable(state, detok)
-                if new_tokens or text:
-                    yield GenerationChunk(state.id, tuple(new_tokens), text)
-            tail = self._releasable(state, detok)
-            yield GenerationChunk(
-                state.id, (), tail, state.finish_reason, self._finish(state, detok)
-            )
+            while True:
+                while out:
+                    item = out.popleft()
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item.result is not None:
+                        return
+                self.step()
         finally:
-            self.drafter.release(state.id)
-            self.verifier.release(state.id)
+            if self._live.get(state.id) is state:
+                self._close(state)
 
-    # ---- the step ---------------------------------------------------------------------
+    # ---- the step ----------------------------------------------------------------------
 
-    def step(self, state: _State) -> list[int]:
-        """One verify step; returns the tokens it produced (before stop handling)."""
-        spec, s = state.request.speculation, state.request.sampling
-        k = self._num_draft_tokens(state)
-        if k == 0:
-            return [self._plain_step(state)]
+    def step(self) -> int:
+        """Admit, decode every running row once, prefill prompt chunks. Returns the
+        decode batch size."""
+        self._reap()
+        self.scheduler.admit(lambda s: self.verifier.fits(s.reserve_tokens), self._start)
+        running = list(self.scheduler.running)
+        decode_tokens = 0
+        if running:
+            try:
+                decode_tokens = self._decode(running)
+            except Exception as err:  # a failed forward fails the rows that shared it
+                for state in running:
+                    if self._live.get(state.id) is state:
+                        self._end(state, err)
+        self._prefill(decode_tokens)
+        self.scheduler.promote()
+        return len(running)
+
+    def _decode(self, running: list[RequestState]) -> int:
         t0 = time.perf_counter()
-        try:
-            block = self.drafter.propose(state.id, k)  # propose
-        except DRAFTER_FAILURES:
-            self._drafter_failed(state)
-            return [self._plain_step(state)]
+        ks, blocks = self._propose(running)  # propose
+        # Rows of one acceptance group (same K, rule, TAS threshold) side by side: the
+        # kernel then takes each group as a view of the flat tensors, not a copy.
+        order = sorted(range(len(running)), key=lambda i: (ks[i], *_group(running[i])))
+        running, ks = [running[i] for i in order], [ks[i] for i in order]
         t1 = time.perf_counter()
-        logits = self.verifier.score(state.id, list(block.token_ids))  # score: [K + 1, V]
+        logits = self.verifier.score(  # score: one forward, row i [K_i + 1, V]
+            [(s.id, blocks[s.id].token_ids if s.id in blocks else ()) for s in running]
+        )
         t2 = time.perf_counter()
-        vocab = min(logits.shape[-1], block.probs.shape[-1])
-        target = processed_probs(
-            logits[None, :, :vocab], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p
-        )
-        budget = None
-        if spec.max_divergence_nats is not None:
-            left = max(0.0, spec.max_divergence_nats - state.stats.divergence_nats)
-            budget = torch.tensor([left], dtype=torch.float64)
-        result = speculative_accept(  # accept
-            torch.tensor([block.token_ids]),
-            block.probs[None, :, :vocab],
-            target,
-            rule=spec.rule,
-            delta=spec.delta,
-            tas_threshold=spec.tas_threshold,
-            divergence_budget=budget,
-            uniforms=draw_uniforms([state.generator], k + 1),
-            validate=False,
-        )
+        result = self._accept(running, ks, blocks, logits)  # accept
         t3 = time.perf_counter()
-        accepted = int(result.num_accepted[0])
-        tokens = [int(t) for t in result.output_token_ids[0, : accepted + 1]]
-        # Commit to the drafter first: a remote one starts the next block now, while
-        # this side rolls back its cache and emits (next_k 0: no next block is certain).
-        stops = (state.eos, *state.request.sampling.stop_token_ids)
-        finishing = any(t in stops for t in tokens)
-        next_k = 0 if finishing else self._num_draft_tokens(state, produced=len(tokens))
-        self._commit_drafter(state, block.epoch, accepted, tokens[-1], next_k=next_k)
-        self.verifier.commit(state.id, accepted, tokens[-1])  # commit
-        self._count(
-            state, k, accepted, float(result.divergence_nats[0]), (t1 - t0, t2 - t1, t3 - t2)
-        )
-        return tokens
+        outputs = result.output_token_ids.tolist()
+        accepted = result.num_accepted.tolist()
+        divergence = result.divergence_nats.tolist()
+        for i, state in enumerate(running):  # commit, per row
+            tokens = outputs[i][: accepted[i] + 1]
+            self._commit(state, ks[i], blocks.get(state.id), accepted[i], tokens[-1])
+            if ks[i]:
+                state.count(ks[i], accepted[i], divergence[i])
+            st = state.stats
+            st.draft_s, st.verify_s, st.kernel_s = (
+                st.draft_s + t1 - t0,
+                st.verify_s + t2 - t1,
+                st.kernel_s + t3 - t2,
+            )
+            state.push(state.emit(tokens))
+            if state.finish_reason is not None:
+                self._close(state)
+        t4 = time.perf_counter()
+        self._time(len(running), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        return sum(k + 1 for k in ks)
 
-    def _plain_step(self, state: _State) -> int:
-        """Verifier-only decoding (rule none, or no room left to draft)."""
-        s = state.request.sampling
-        t0 = time.perf_counter()
-        logits = self.verifier.score(state.id, [])  # [1, V]
-        q = processed_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        token = int(inverse_cdf_sample(q, draw_uniforms([state.generator], 1)[:, 0])[0])
-        self.verifier.commit(state.id, 0, token)
-        self._commit_drafter(state, state.committed, 0, token)
-        state.stats.verify_s += time.perf_counter() - t0
-        return token
-
-    def _commit_drafter(
-        self, state: _State, epoch: int, accepted: int, token: int, *, next_k: int = 0
-    ) -> None:
-        if not state.drafting:
-            return
+    def _propose(self, running: list[RequestState]) -> tuple[list[int], dict[str, DraftBlock]]:
+        """One batched draft pass; a row whose drafter failed goes on without drafts."""
+        ks = [s.num_draft_tokens() for s in running]
+        rows = [ProposeRow(s.id, k) for s, k in zip(running, ks, strict=True) if k > 0]
+        blocks: dict[str, DraftBlock] = {}
+        if not rows:
+            return ks, blocks
         try:
-            self.drafter.commit(state.id, epoch, accepted, token, next_k=next_k)
-        except DRAFTER_FAILURES:
-            self._drafter_failed(state)
+            out = self.drafter.propose(rows)
+        except DRAFTER_FAILURES as err:
+            out = [err] * len(rows)
+        by_id = {s.id: s for s in running}
+        for row, block in zip(rows, out, strict=True):
+            if isinstance(block, DraftBlock):
+                blocks[row.request_id] = block
+            else:
+                self._drafter_failed(by_id[row.request_id])
+        ks = [k if s.id in blocks else 0 for s, k in zip(running, ks, strict=True)]
+        return ks, blocks
 
-    def _drafter_failed(self, state: _State) -> None:
+    def _accept(self, running, ks, blocks, logits):
+        """Ragged acceptance over every row (K_i = 0 rows: plain sampling from q)."""
+        vocab = min(self.verifier.vocab_size, logits[0].shape[-1])
+        drafted = [blocks[s.id] for s in running if s.id in blocks]
+        if drafted:
+            vocab = min(vocab, drafted[0].probs.shape[-1])
+        params = [
+            s.request.sampling for s, k in zip(running, ks, strict=True) for _ in range(k + 1)
+        ]
+        target = processed_rows(torch.cat([x[:, :vocab] for x in logits]), params)
+        draft_ids = torch.tensor([t for b in drafted for t in b.token_ids], dtype=torch.long)
+        draft_probs = (
+            torch.cat([b.probs[:, :vocab] for b in drafted])
+            if drafted
+            else torch.empty(0, vocab, dtype=torch.float32)
+        )
+        specs = [s.request.speculation for s in running]
+        budgets = [
+            max(0.0, sp.max_divergence_nats - s.stats.divergence_nats)
+            if sp.max_divergence_nats is not None
+            else float("inf")
+            for s, sp in zip(running, specs, strict=True)
+        ]
+        metadata = RaggedMetadata(
+            num_draft_tokens=tuple(ks),
+            rules=tuple(sp.rule if sp.rule != "none" else "sps" for sp in specs),
+            delta=torch.tensor([sp.delta for sp in specs], dtype=torch.float64),
+            tas_threshold=tuple(sp.tas_threshold for sp in specs),
+            divergence_budget=torch.tensor(budgets, dtype=torch.float64),
+            uniforms=padded_uniforms([s.generator for s in running], [k + 1 for k in ks]),
+        )
+        return ragged_accept(draft_ids, draft_probs, target, metadata)
+
+    def _commit(self, state, k: int, block, accepted: int, token: int) -> None:
+        if state.drafting:
+            epoch = block.epoch if k else state.committed
+            try:
+                self.drafter.commit(state.id, epoch, accepted if k else 0, token)
+            except DRAFTER_FAILURES:
+                self._drafter_failed(state)
+        self.verifier.commit(state.id, accepted, token)
+
+    def _prefill(self, decode_tokens: int) -> None:
+        plan = self.scheduler.prefill_plan(decode_tokens)
+        if not plan:
+            return
+        t0 = time.perf_counter()
+        chunks = []
+        for state, n in plan:
+            chunks.append((state.id, state.prompt_ids[state.prefilled : state.prefilled + n]))
+        try:
+            self.verifier.prefill(chunks)
+        except Exception as err:
+            for state, _ in plan:
+                self._end(state, err)
+            return
+        for state, n in plan:
+            state.prefilled += n
+        self.timing.prefill_s += time.perf_counter() - t0
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Cancelled requests end with RequestCancelledError, late ones with TIME_LIMIT."""
+        for state in self.scheduler.all():
+            if state.cancelled is not None and state.cancelled():
+                self._end(state, RequestCancelledError(f"request {state.id} cancelled"))
+            elif state.timed_out():
+                state.time_limit()
+                state.push([])
+                self._close(state)
+
+    def _start(self, state: RequestState) -> None:
+        """A row on each side: the drafter prefills now (a remote one while this side
+        prefills the verifier, chunk by chunk, in the next steps)."""
+        if state.drafting:
+            try:
+                self.drafter.start(state.id, state.prompt_ids, state.request.sampling, state.seed)
+            except DRAFTER_FAILURES:
+                self._drafter_failed(state)
+        try:
+            self.verifier.start(state.id, state.prompt_ids, reserve_tokens=state.reserve_tokens)
+        except Exception as err:
+            self._end(state, err)
+
+    def _drafter_failed(self, state: RequestState) -> None:
         """Degrade to plain decoding for the rest of the request (serving.md)."""
         state.drafting = False
         state.stats.draft_failures += 1
         self.drafter.release(state.id)
 
-    # ---- helpers ----------------------------------------------------------------------
+    def _close(self, state: RequestState) -> None:
+        """Free the request's rows on both sides and forget it."""
+        self.scheduler.remove(state)
+        if self._live.get(state.id) is state:
+            del self._live[state.id]
+        self.drafter.release(state.id)
+        self.verifier.release(state.id)
 
-    def _open(self, request: GenerationRequest) -> _State:
-        if not request.request_id:
-            request = _with_id(request, f"req-{secrets.token_hex(8)}")
-        validate_request(request, self.limits)
-        prompt_ids = self._prompt_ids(request)
-        validate_request(request, self.limits, prompt_len=len(prompt_ids))
-        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
-        state = _State(request, prompt_ids, seed, self.eos_token_id)
-        if state.drafting:  # first: a remote drafter prefills while the verifier does
-            try:
-                self.drafter.start(state.id, prompt_ids, request.sampling, seed)
-            except DRAFTER_FAILURES:
-                self._drafter_failed(state)
-        try:
-            self.verifier.start(state.id, prompt_ids)
-        except BaseException:
-            self.drafter.release(state.id)
-            self.verifier.release(state.id)
-            raise
-        return state
+    def _end(self, state: RequestState, error: BaseException) -> None:
+        self._close(state)
+        state.sink(error)
+
+    def _time(self, batch: int, draft: float, verify: float, accept: float, book: float) -> None:
+        t = self.timing
+        t.steps += 1
+        t.rows += batch
+        t.draft_s += draft
+        t.verify_s += verify
+        t.accept_s += accept
+        t.bookkeeping_s += book
+        t.batch_sizes[batch] += 1
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids:
@@ -289,90 +381,7 @@ class SpeculativeEngine:
             raise InvalidRequestError("prompt", "encodes to zero tokens")
         return ids
 
-    def _num_draft_tokens(self, state: _State, produced: int = 0) -> int:
-        """K, reduced near the end: never draft past max_tokens or the context.
-        `produced`: tokens of this step not yet emitted (to ask for the next step's K)."""
-        if not state.drafting:
-            return 0
-        k = state.request.speculation.num_speculative_tokens
-        left = state.request.sampling.max_tokens - len(state.generated) - produced
-        room = self.limits.max_context - state.committed - produced
-        return max(0, min(k, left - 1, room - 1))
 
-    def _count(self, state: _State, k: int, accepted: int, divergence: float, times) -> None:
-        st = state.stats
-        st.num_drafts += 1
-        st.num_draft_tokens += k
-        st.num_accepted_tokens += accepted
-        for i in range(accepted):
-            st.accepted_per_position[i] += 1
-        st.divergence_nats += divergence
-        st.draft_s += times[0]
-        st.verify_s += times[1]
-        st.kernel_s += times[2]
-
-    def _emit(self, state: _State, tokens: list[int], detok: IncrementalDetokenizer) -> list[int]:
-        """Commit tokens one by one, stopping at EOS, a stop id, max_tokens or a stop string."""
-        s = state.request.sampling
-        taken = []
-        for tok in tokens:
-            state.generated.append(tok)
-            taken.append(tok)
-            if tok == state.eos:
-                state.finish_reason = "EOS"
-                break
-            if tok in s.stop_token_ids:  # kept in token_ids, not in the text
-                state.finish_reason = "STOP"
-                break
-            new_chars = len(detok.add(tok))
-            if new_chars and self._hit_stop_string(state, detok, new_chars):
-                state.finish_reason = "STOP_SEQUENCE"
-                break
-            if len(state.generated) >= s.max_tokens:
-                state.finish_reason = "LENGTH"
-                break
-        if state.finish_reason is None and state.committed >= self.limits.max_context:
-            state.finish_reason = "LENGTH"
-        if state.finish_reason not in (None, "STOP_SEQUENCE"):
-            detok.flush()  # a trailing incomplete character, if any
-        return taken
-
-    def _hit_stop_string(
-        self, state: _State, detok: IncrementalDetokenizer, new_chars: int
-    ) -> bool:
-        """Cut the text at the first stop string, if the last `new_chars` characters
-        completed one (earlier text was already searched: only its tail can take part)."""
-        stops = state.request.sampling.stop
-        if not stops:
-            return False
-        start = max(0, len(detok.text) - new_chars - max(len(s) for s in stops) + 1)
-        hits = [i for i in (detok.text.find(s, start) for s in stops) if i >= 0]
-        if not hits:
-            return False
-        detok.text = detok.text[: min(hits)]
-        return True
-
-    def _releasable(self, state: _State, detok: IncrementalDetokenizer) -> str:
-        """Text safe to hand out: hold back a tail that could still become a stop string."""
-        end = len(detok.text)
-        if state.finish_reason is None and state.request.sampling.stop:
-            end -= max(len(s) for s in state.request.sampling.stop) - 1
-        end = max(end, state.released_chars)
-        text = detok.text[state.released_chars : end]
-        state.released_chars = end
-        return text
-
-    def _finish(self, state: _State, detok: IncrementalDetokenizer) -> GenerationResult:
-        return GenerationResult(
-            request_id=state.id,
-            text=detok.text,
-            token_ids=tuple(state.generated),
-            finish_reason=state.finish_reason or "ABORT",
-            prompt_tokens=len(state.prompt_ids),
-            seed=state.seed,
-            stats=state.stats,
-        )
-
-
-def _with_id(request: GenerationRequest, request_id: str) -> GenerationRequest:
-    return replace(request, request_id=request_id)
+def _group(state: RequestState) -> tuple[str, float]:
+    sp = state.request.speculation
+    return sp.rule, sp.tas_threshold

@@ -1,21 +1,18 @@
-"""One thread that runs every engine step of a process, round-robin over its requests.
+"""One thread that owns a batched engine and steps it while it has work.
 
 Callers (Ray actor methods, each on one of the actor's pool threads) submit a request
-and read its chunks from a queue; all model work happens on the loop's own thread.
-This is vLLM's engine-loop/output-queue split (AsyncLLMEngine) in miniature, and it
-matters on CPU: a Ray threaded actor hands consecutive calls to different pool threads,
-and the first forwards on a fresh thread page-fault in new per-thread buffers (measured:
-a 32-token verifier prefill took 55 ms on fresh threads against 33 ms on a warm one,
-~2,000 minor faults each). Requests interleave at step granularity, so a long request
-does not hold up a short one.
+and read its chunks from a queue; all model work happens on the loop's own thread,
+and new requests join the batch between two steps. This is vLLM's engine-loop /
+output-queue split (AsyncLLM) in miniature. It matters on CPU too: a Ray threaded
+actor hands consecutive calls to different pool threads, and the first forwards on a
+fresh thread page-fault in new per-thread buffers (measured: a 32-token verifier
+prefill took 55 ms on fresh threads against 33 ms on a warm one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 
 _END = object()
@@ -26,8 +23,11 @@ class EngineLoopStopped(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine, *, name: str = "engine-loop") -> None:
+    """`on_step(engine, batch_size)`: called after every step (metrics)."""
+
+    def __init__(self, engine, *, name: str = "engine-loop", on_step: Callable | None = None):
         self.engine = engine
+        self.on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -52,40 +52,40 @@ class EngineLoop:
     def _drain(out: queue.SimpleQueue) -> Iterator:
         while True:
             item = out.get()
-            if item is _END:
-                return
             if isinstance(item, BaseException):
                 raise item
             yield item
+            if item.result is not None:
+                return
+
+    def _intake(self) -> None:
+        """Add new requests; block only when there is nothing to step."""
+        try:
+            item = self._inbox.get(block=not self.engine.has_work())
+            while item is not _END:
+                request, cancelled, out = item
+                try:
+                    self.engine.add_request(request, out.put, cancelled=cancelled)
+                except BaseException as err:  # a bad request fails alone
+                    out.put(err)
+                item = self._inbox.get(block=False)
+        except queue.Empty:
+            pass
 
     def _run(self) -> None:
-        active: deque = deque()  # (chunk iterator, output queue)
         while not self._stopped.is_set():
-            try:  # take new requests; block only when there is nothing to step
-                item = self._inbox.get(block=not active)
-                while item is not _END:
-                    request, cancelled, out = item
-                    active.append((self.engine.stream(request, cancelled=cancelled), out))
-                    item = self._inbox.get(block=False)
-            except queue.Empty:
-                pass
-            if not active:
+            self._intake()
+            if self._stopped.is_set() or not self.engine.has_work():
                 continue
-            chunks, out = active.popleft()
             try:
-                out.put(next(chunks))  # one engine step
-            except StopIteration:
-                out.put(_END)
-                continue
-            except BaseException as err:  # the request ends; the loop goes on
-                out.put(err)
-                continue
-            active.append((chunks, out))
-        for chunks, out in active:  # shut down: free every request's caches
-            with contextlib.suppress(BaseException):
-                chunks.close()
-            out.put(EngineLoopStopped("the engine loop was shut down"))
-        while True:  # requests submitted while it was shutting down
+                batch = self.engine.step()
+                if self.on_step is not None:
+                    self.on_step(self.engine, batch)
+            except Exception as err:  # a bug: end what is running, keep serving
+                self.engine.abort_all(err)
+        # Shut down: free every request's rows, answer everything still queued.
+        self.engine.abort_all(EngineLoopStopped("the engine loop was shut down"))
+        while True:
             try:
                 item = self._inbox.get(block=False)
             except queue.Empty:

@@ -17,6 +17,8 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers.scheduler import SchedulerConfig
+
 NAMESPACE = "cactus"
 
 
@@ -65,7 +67,10 @@ class GroupConfig:
     lease_s: float = 120.0
     rpc_timeout_s: float = 30.0
     start_timeout_s: float = 300.0
-    max_concurrency: int = 32  # requests rank 0 serves at once (steps interleave)
+    max_concurrency: int = 64  # calls rank 0 takes at once (running + waiting requests)
+    max_num_seqs: int = 32  # rows in the batch (see workers/scheduler.py)
+    max_num_batched_tokens: int = 512  # tokens per step, decode first, then prompt chunks
+    kv_budget_tokens: int | None = None  # verifier KV slots (None: max_num_seqs * context)
 
 
 class EngineGroup:
@@ -107,7 +112,14 @@ class EngineGroup:
             num_cpus=c.draft.num_cpus,
             num_gpus=c.draft.num_gpus,
             resources=c.draft.resources or None,
-        ).remote(c.draft_dir, dtype=c.dtype, device=c.device, threads=c.threads, lease_s=c.lease_s)
+        ).remote(
+            c.draft_dir,
+            dtype=c.dtype,
+            device=c.device,
+            threads=c.threads,
+            lease_s=c.lease_s,
+            max_num_seqs=c.max_num_seqs,
+        )
         self.ranks = [
             VerifierRank.options(
                 name=f"{self.name}-rank{i}",
@@ -132,6 +144,8 @@ class EngineGroup:
                     device=c.device,
                     threads=c.threads,
                     shm_allreduce=c.shm_allreduce,
+                    max_num_seqs=c.max_num_seqs,
+                    kv_budget_tokens=c.kv_budget_tokens,
                 )
                 for r in self.ranks
             ],
@@ -141,7 +155,12 @@ class EngineGroup:
         self.draft_address = ray.get(self.draft.serve.remote(), timeout=timeout)
         ray.get(
             self.ranks[0].connect.remote(
-                self.draft_address, limits=self.limits, timeout_s=c.rpc_timeout_s
+                self.draft_address,
+                limits=self.limits,
+                scheduler=SchedulerConfig(
+                    max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens
+                ),
+                timeout_s=c.rpc_timeout_s,
             ),
             timeout=timeout,
         )

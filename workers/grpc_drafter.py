@@ -4,24 +4,26 @@ Every received block is checked (workers/wire.decode_block) against this side's 
 committed length and the last block it applied before anything is used: a stale,
 repeated or malformed block raises StaleBlockError and is dropped. Transport failures
 raise WorkerUnavailableError; the engine then finishes the request without drafts.
-Commits are recorded and travel inside the next Propose (one round trip per step); a
-failed piggybacked commit fails that Propose, which ends drafting for the request.
+Every row of an engine step travels in one ProposeBatch with its recorded commits
+piggybacked (one round trip per step); a failed piggybacked commit fails that row,
+which ends drafting for that request only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from cactus.errors import StaleBlockError, WorkerUnavailableError
+from cactus.errors import CactusError, StaleBlockError, WorkerUnavailableError
 from cactus.params import SamplingParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
-from workers.interfaces import DraftBlock
-from workers.wire import decode_block
+from workers.interfaces import DraftBlock, ProposeRow
+from workers.wire import decode_block, status_code
 
 
 @contextlib.contextmanager
@@ -43,16 +45,12 @@ class _ClientSession:
     applied_seq: int = 0
     pending_seq: int = 0
     unsent: list = field(default_factory=list)  # commits to piggyback on the next Propose
-    prefetch: tuple | None = None  # (k, future, sent_at, done_at): a Propose on its way
 
 
 class GrpcDrafter:
-    """Calls are pipelined: Open is sent without waiting (the draft side prefills while
-    this side prefills the verifier), commits ride on the next Propose, and when the
-    engine says how many tokens it will ask for next (commit's next_k), that Propose
-    leaves at once. Rank 0's engine loop then verifies other requests while the draft
-    actor drafts this one (single stream it gains nothing; with 4+ concurrent requests
-    it is what lets drafting and verification overlap)."""
+    """Open is sent without waiting (the draft side prefills while this side prefills
+    the verifier); every step's rows travel in one ProposeBatch with their commits
+    piggybacked (one round trip per step, whatever the batch size)."""
 
     def __init__(
         self,
@@ -62,7 +60,6 @@ class GrpcDrafter:
         timeout_s: float = 30.0,
         lease_s: float = 120.0,
         max_message_bytes: int = 64 << 20,
-        pipeline: bool = True,
     ) -> None:
         self.address = address
         self.vocab_size = vocab_size
@@ -75,9 +72,8 @@ class GrpcDrafter:
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.SpeculationStub(self._channel)
         self._sessions: dict[str, _ClientSession] = {}
-        self.rpc_s = 0.0  # Propose round trips (send to reply), overlapped or not
+        self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
-        self.pipeline = pipeline
 
     def _call(self, method, msg):
         """A blocking call; transport failures mapped to the engine's errors."""
@@ -98,7 +94,10 @@ class GrpcDrafter:
             request_id=request_id,
             prompt_token_ids=list(prompt_ids),
             sampling=pb.SamplingParams(
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens,
             ),
             seed=seed,
             lease_s=self.lease_s,
@@ -119,32 +118,48 @@ class GrpcDrafter:
         session.unsent = []  # sent, whatever the outcome: a failure ends drafting
         return request
 
-    def _send_propose(self, request_id: str, session: _ClientSession, k: int) -> None:
-        request = self._propose_request(request_id, session, k)
-        sent_at = time.perf_counter()
-        future = self._stub.Propose.future(request, timeout=self.timeout_s)
-        done_at = []
-        future.add_done_callback(lambda _f: done_at.append(time.perf_counter()))
-        session.prefetch = (k, future, sent_at, done_at)
+    def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
+        """One ProposeBatch for every row; each row's block is checked on its own. A
+        transport failure raises WorkerUnavailableError (every row goes on without
+        drafts); a row the draft side refused gets its own error."""
+        out: list = [None] * len(rows)
+        sent: list[int] = []
+        msgs = []
+        for i, row in enumerate(rows):
+            session = self._sessions.get(row.request_id)
+            try:
+                if session is None:
+                    raise StaleBlockError(f"{row.request_id}: no open draft session")
+                self._opened(session)
+            except (StaleBlockError, WorkerUnavailableError) as err:
+                out[i] = err
+                continue
+            msgs.append(self._propose_request(row.request_id, session, row.k))
+            sent.append(i)
+        if not msgs:
+            return out
+        start = time.perf_counter()
+        reply = self._call(self._stub.ProposeBatch, pb.ProposeBatchRequest(rows=msgs))
+        self.rpc_s += time.perf_counter() - start
+        self.remote_draft_s += reply.draft_s
+        if len(reply.rows) != len(msgs):
+            raise WorkerUnavailableError(f"draft actor answered {len(reply.rows)} of {len(msgs)}")
+        for i, result in zip(sent, reply.rows, strict=True):
+            out[i] = self._row(rows[i], result)
+        return out
 
-    def propose(self, request_id: str, k: int) -> DraftBlock:
-        session = self._sessions[request_id]
-        self._opened(session)
-        if session.prefetch is None:  # a blocking call: no hand-off between threads
-            start = time.perf_counter()
-            msg = self._call(self._stub.Propose, self._propose_request(request_id, session, k))
-            self.rpc_s += time.perf_counter() - start
-        else:
-            sent_k, future, sent_at, done_at = session.prefetch
-            session.prefetch = None
-            if sent_k != k:  # the engine broke its next_k promise: drop the block
-                future.cancel()
-                raise StaleBlockError(f"{request_id}: prefetched {sent_k} tokens, asked {k}")
-            msg = self._result(future)
-            self.rpc_s += (done_at[0] if done_at else time.perf_counter()) - sent_at
-        self.remote_draft_s += msg.draft_s
-        block = self.check(msg, request_id, k)
-        session.pending_seq = msg.block_seq
+    def _row(self, row: ProposeRow, result) -> DraftBlock | CactusError:
+        if result.WhichOneof("result") != "block":
+            code = status_code(result.error.code)
+            message = f"draft actor: {code.name}: {result.error.message}"
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                return StaleBlockError(message)
+            return WorkerUnavailableError(message)
+        try:
+            block = self.check(result.block, row.request_id, row.k)
+        except StaleBlockError as err:
+            return err
+        self._sessions[row.request_id].pending_seq = result.block.block_seq
         return block
 
     def check(self, msg: pb.DraftBlock, request_id: str, k: int) -> DraftBlock:
@@ -159,12 +174,9 @@ class GrpcDrafter:
             vocab=self.vocab_size,
         )
 
-    def commit(
-        self, request_id: str, epoch: int, num_accepted: int, next_token: int, *, next_k: int = 0
-    ) -> None:
-        """Record the commit; it travels with the next Propose (one round trip a step
-        instead of two), which leaves now when next_k > 0. `flush` sends recorded
-        commits on their own."""
+    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+        """Record the commit; it travels with the next ProposeBatch (`flush` sends
+        recorded commits on their own)."""
         session = self._sessions[request_id]
         session.unsent.append(
             pb.CommitRequest(
@@ -178,8 +190,6 @@ class GrpcDrafter:
         session.applied_seq = max(session.applied_seq, session.pending_seq)
         session.pending_seq = 0
         session.committed = epoch + num_accepted + 1
-        if self.pipeline and next_k > 0 and session.opening is None and session.prefetch is None:
-            self._send_propose(request_id, session, next_k)
 
     def flush(self, request_id: str) -> None:
         """Wait for Open and send the recorded commits now (tests drive the protocol
@@ -194,8 +204,6 @@ class GrpcDrafter:
         session = self._sessions.pop(request_id, None)
         if session is None:
             return
-        if session.prefetch is not None:  # a block nobody will use
-            session.prefetch[1].cancel()
         if session.opening is not None:  # Close must follow Open, or Open would reopen
             with contextlib.suppress(grpc.RpcError):
                 session.opening.result()

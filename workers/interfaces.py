@@ -1,19 +1,23 @@
-"""What the engine needs from a draft model and from a verifier.
+"""What the batched engine needs from a draft model and from a verifier, and what the
+Serve ingress needs from an engine.
 
-Two implementations of each exist: in-process ones around a ModelRunner
+Two implementations of each worker side exist: in-process ones around a BatchRunner
 (workers/local.py) and distributed ones (a draft actor over gRPC, a tensor-parallel
-verifier group). The engine's step is written once against these interfaces. Shaped
-after Hugging Face assisted generation's candidate generator (propose, then be told
-what was accepted).
+verifier group). The engine's step is written once against these interfaces. Every call
+that does model work takes ALL rows of a step (one draft pass, one verifier forward);
+per-request calls are bookkeeping. The drafter is shaped after Hugging Face assisted
+generation's candidate generator (propose, then be told what was accepted).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from cactus.errors import CactusError
 from cactus.params import SamplingParams
 
 
@@ -27,22 +31,27 @@ class DraftBlock:
     probs: torch.Tensor  # [K, V] float32, after the request's sampling processing
 
 
+@dataclass(frozen=True)
+class ProposeRow:
+    """One row of a batched propose: draft `k` tokens for `request_id`."""
+
+    request_id: str
+    k: int
+
+
 class Drafter(Protocol):
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:
         """Prefill the prompt and seed this request's draft sampler."""
 
-    def propose(self, request_id: str, k: int) -> DraftBlock:
-        """Draft k tokens after the committed text."""
+    def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
+        """Draft every row in one batched pass (K forwards for the longest row). A row
+        that failed gets its error (StaleBlockError, WorkerUnavailableError) in place of
+        a block: one bad row degrades that request only."""
 
-    def commit(
-        self, request_id: str, epoch: int, num_accepted: int, next_token: int, *, next_k: int = 0
-    ) -> None:
-        """Keep the first num_accepted drafted tokens, then next_token; drop the rest.
-        next_k: the engine's next propose will ask for next_k tokens (0: none is coming
-        for sure); a remote drafter may start drafting them now, overlapping the
-        engine's bookkeeping. The block must be the one propose(next_k) would return."""
+    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+        """Keep the first num_accepted drafted tokens, then next_token; drop the rest."""
 
     def release(self, request_id: str) -> None:
         """Free the request's cache (idempotent)."""
@@ -52,15 +61,42 @@ class Verifier(Protocol):
     vocab_size: int
     max_context: int
 
-    def start(self, request_id: str, prompt_ids: list[int]) -> None:
-        """Prefill the prompt (all but its last token, which the first score consumes)."""
+    def fits(self, reserve_tokens: int) -> bool:
+        """Whether a request holding at most reserve_tokens would be admitted now."""
 
-    def score(self, request_id: str, draft_token_ids: list[int]) -> torch.Tensor:
-        """Logits [len(draft) + 1, V] float32: after the last committed token and after
-        each drafted token (the last row is the bonus position)."""
+    def start(self, request_id: str, prompt_ids: list[int], *, reserve_tokens: int) -> None:
+        """Take a row for the request. Its prompt but the last token is then prefilled
+        with `prefill` (chunked by the scheduler); the first score consumes the last."""
+
+    def prefill(self, rows: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Append prompt chunks to their rows (one forward, no logits)."""
+
+    def score(self, rows: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """One forward over every row: row i's logits [len(draft_i) + 1, V] float32,
+        after its last committed token and after each drafted token (bonus row last)."""
 
     def commit(self, request_id: str, num_accepted: int, next_token: int) -> None:
-        """Drop the rejected drafted tokens from the cache; next_token is now last."""
+        """Drop the rejected drafted tokens (bookkeeping); next_token is now last."""
 
     def release(self, request_id: str) -> None:
-        """Free the request's cache (idempotent)."""
+        """Free the request's row (idempotent)."""
+
+
+class ServingEngine(Protocol):
+    """The contract between the Serve ingress (deployments/ingress.py) and an engine:
+    an EngineGroup in a real replica, a fake in the shim's unit tests."""
+
+    def model_info(self) -> dict:
+        """vocab_size, max_context, verifier path, tp_size."""
+
+    async def agenerate(self, request):  # -> GenerationResult
+        """Run a request to the end."""
+
+    def astream(self, request) -> AsyncIterator:  # of GenerationChunk
+        """Chunks as tokens are committed; the last carries the result."""
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at its next step and free its rows (unknown id: no-op)."""
+
+    async def ahealthy(self, timeout_s: float = 10.0) -> bool:
+        """True when every actor of the engine answers."""

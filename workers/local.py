@@ -1,18 +1,25 @@
-"""In-process Drafter and Verifier around a ModelRunner (gpt-fast style bookkeeping).
+"""In-process Drafter and Verifier around a BatchRunner (gpt-fast style bookkeeping).
 
-Both keep the committed text in the model's KV cache except its last token or two,
-the "pending" tokens the next forward consumes. Rolling back is a cache crop.
+Both keep the committed text in their rows of the KV cache except its last token or
+two, the "pending" tokens the next forward consumes. Rolling back is bookkeeping: the
+row's length drops and the rejected slots are overwritten by the next forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from cactus.errors import StaleBlockError
+from cactus.errors import StaleBlockError, WorkerUnavailableError
 from cactus.params import SamplingParams
-from kernels import draw_uniforms, inverse_cdf_sample, processed_probs
-from workers.interfaces import DraftBlock
-from workers.model_runner import ModelRunner
+from kernels import inverse_cdf_sample
+from workers.batch_runner import BatchRunner, CapacityError
+from workers.batching import padded_uniforms, processed_rows
+from workers.interfaces import DraftBlock, ProposeRow
+
+# The widest block a drafter accepts: one place for the wire and the in-process side.
+MAX_DRAFT_TOKENS = 64
 
 
 class _Request:
@@ -25,40 +32,80 @@ class _Request:
 
 
 class LocalDrafter:
-    """Draft model in this process; samples each drafted token from the processed p."""
+    """Draft model in this process: drafts every row of a step in K batched forwards,
+    sampling each drafted token from the row's processed p."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
         self._reqs: dict[str, _Request] = {}
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._reqs)
 
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:
-        self.runner.start(request_id)
-        self.runner.forward(request_id, list(prompt_ids[:-1]))
+        # The draft row never holds more than the committed text (plus K - 1 drafts, which
+        # the engine keeps under max_tokens and the context): the request's own length.
+        reserve = min(self.runner.max_context, len(prompt_ids) + sampling.max_tokens)
+        try:
+            self.runner.start(request_id, reserve_tokens=reserve)
+        except CapacityError as err:  # the engine goes on without drafts
+            raise WorkerUnavailableError(f"draft model: {err}") from None
+        if len(prompt_ids) > 1:
+            self.runner.forward([request_id], [list(prompt_ids[:-1])], logits="none")
         req = _Request([prompt_ids[-1]], sampling, seed)
         req.committed = len(prompt_ids)
         self._reqs[request_id] = req
 
-    def propose(self, request_id: str, k: int) -> DraftBlock:
-        req = self._reqs[request_id]
-        if req.drafted:
-            raise StaleBlockError(f"{request_id}: the previous block was never committed")
-        s = req.sampling
-        feed, tokens, rows = req.pending, [], []
-        for i in range(k):
-            logits = self.runner.forward(request_id, feed)[-1:]  # [1, V]
-            probs = processed_probs(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-            token = int(inverse_cdf_sample(probs, draw_uniforms([req.generator], 1)[:, 0])[0])
-            tokens.append(token)
-            rows.append(probs[0])
-            feed = [token] if i < k - 1 else []
-        req.pending, req.drafted = [], tokens
-        return DraftBlock(request_id, req.committed, tuple(tokens), torch.stack(rows))
+    def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | StaleBlockError]:
+        out: list = [None] * len(rows)
+        live = []
+        for i, row in enumerate(rows):
+            req = self._reqs.get(row.request_id)
+            if req is None:
+                out[i] = StaleBlockError(f"{row.request_id}: no open draft session")
+            elif req.drafted:
+                out[i] = StaleBlockError(
+                    f"{row.request_id}: the previous block was never committed"
+                )
+            else:
+                live.append(i)
+        if live:
+            for i, block in zip(live, self._draft([rows[i] for i in live]), strict=True):
+                out[i] = block
+        return out
 
-    def commit(
-        self, request_id: str, epoch: int, num_accepted: int, next_token: int, *, next_k: int = 0
-    ) -> None:
+    def _draft(self, rows: Sequence[ProposeRow]) -> list[DraftBlock]:
+        ids = [r.request_id for r in rows]
+        reqs = [self._reqs[i] for i in ids]
+        feeds = [list(r.pending) for r in reqs]
+        tokens: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for j in range(max(r.k for r in rows)):
+            logits = self.runner.forward(ids, feeds, logits="last")  # row i: [1, V] or [0, V]
+            active = [i for i, r in enumerate(rows) if r.k > j]
+            p = processed_rows(
+                torch.cat([logits[i] for i in active]), [reqs[i].sampling for i in active]
+            )  # [A, V]
+            u = padded_uniforms([reqs[i].generator for i in active], [1] * len(active))
+            picked = inverse_cdf_sample(p, u[:, 0]).tolist()
+            feeds = [[] for _ in rows]
+            for a, i in enumerate(active):
+                tokens[i].append(picked[a])
+                probs[i].append(p[a])
+                if j < rows[i].k - 1:  # the last drafted token stays pending
+                    feeds[i] = [picked[a]]
+        blocks = []
+        for i, req in enumerate(reqs):
+            req.pending, req.drafted = [], tokens[i]
+            blocks.append(
+                DraftBlock(ids[i], req.committed, tuple(tokens[i]), torch.stack(probs[i]))
+            )
+        return blocks
+
+    def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
         req = self._reqs[request_id]
         if epoch != req.committed:
             raise StaleBlockError(f"{request_id}: commit for length {epoch}, at {req.committed}")
@@ -80,24 +127,37 @@ class LocalDrafter:
 
 
 class LocalVerifier:
-    """Verifier model in this process: scores [last committed token] + drafted tokens."""
+    """Verifier model in this process: scores [last committed token] + drafted tokens
+    for every running row in one forward."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
         self.vocab_size = runner.vocab_size
         self.max_context = runner.max_context
         self._pending: dict[str, int] = {}
         self._scored: dict[str, int] = {}
 
-    def start(self, request_id: str, prompt_ids: list[int]) -> None:
-        self.runner.start(request_id)
-        self.runner.forward(request_id, list(prompt_ids[:-1]))
+    @property
+    def max_reserve_tokens(self) -> int:
+        """The largest reservation one request may ever get (it may wait for it)."""
+        return min(self.runner.kv_budget_tokens, self.runner.max_context + MAX_DRAFT_TOKENS)
+
+    def fits(self, reserve_tokens: int) -> bool:
+        return self.runner.fits(reserve_tokens)
+
+    def start(self, request_id: str, prompt_ids: list[int], *, reserve_tokens: int) -> None:
+        self.runner.start(request_id, reserve_tokens=reserve_tokens)
         self._pending[request_id] = prompt_ids[-1]
 
-    def score(self, request_id: str, draft_token_ids: list[int]) -> torch.Tensor:
-        tokens = [self._pending[request_id], *draft_token_ids]
-        self._scored[request_id] = len(draft_token_ids)
-        return self.runner.forward(request_id, tokens)
+    def prefill(self, rows: Sequence[tuple[str, Sequence[int]]]) -> None:
+        self.runner.forward([r for r, _ in rows], [list(t) for _, t in rows], logits="none")
+
+    def score(self, rows: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        feeds = []
+        for request_id, drafted in rows:
+            feeds.append([self._pending[request_id], *drafted])
+            self._scored[request_id] = len(drafted)
+        return self.runner.forward([r for r, _ in rows], feeds, logits="all")
 
     def commit(self, request_id: str, num_accepted: int, next_token: int) -> None:
         self.runner.rollback(request_id, self._scored.pop(request_id) - num_accepted)
@@ -110,18 +170,39 @@ class LocalVerifier:
 
 
 def local_engine(
-    verifier_dir: str, draft_dir: str, *, dtype: str = "float32", device: str = "cpu", limits=None
+    verifier_dir: str,
+    draft_dir: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    limits=None,
+    scheduler=None,
+    kv_budget_tokens: int | None = None,
 ):
-    """An in-process SpeculativeEngine over two local checkpoint folders."""
+    """An in-process SpeculativeEngine over two local checkpoint folders.
+    scheduler: a SchedulerConfig (max_num_seqs, max_num_batched_tokens)."""
     from workers.engine import SpeculativeEngine
+    from workers.scheduler import SchedulerConfig
 
-    verifier = ModelRunner(verifier_dir, dtype=dtype, device=device)
-    draft = ModelRunner(draft_dir, dtype=dtype, device=device)
+    scheduler = scheduler or SchedulerConfig()
+    rows = scheduler.max_num_seqs
+    verifier = BatchRunner(
+        verifier_dir,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=rows,
+        kv_budget_tokens=kv_budget_tokens,
+    )
+    draft = BatchRunner(draft_dir, dtype=dtype, device=device, max_num_seqs=rows)
     if draft.vocab_size != verifier.vocab_size:
         raise ValueError(
             f"draft_dir: vocabulary {draft.vocab_size} differs from the verifier's "
             f"{verifier.vocab_size}; the pair must share a tokenizer"
         )
     return SpeculativeEngine(
-        LocalDrafter(draft), LocalVerifier(verifier), verifier.tokenizer, limits=limits
+        LocalDrafter(draft),
+        LocalVerifier(verifier),
+        verifier.tokenizer,
+        limits=limits,
+        scheduler=scheduler,
     )

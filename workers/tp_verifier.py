@@ -3,9 +3,10 @@
 Every rank loads the checkpoint and lets `deepspeed.init_inference` (AutoTP, kernel
 injection off) shard it; a forward then all-reduces across ranks. Rank 0 is the only
 one anybody talks to: it hosts the engine (workers/engine.py) with a GrpcDrafter for the
-draft actor, and a `MirroredRunner` that broadcasts every cache operation (start,
-forward, rollback, release) to the other ranks before running it itself, so all ranks
-run the same forwards in the same order. The acceptance kernel runs on rank 0's device.
+draft actor, and a `MirroredRunner` that broadcasts the step's cache operations (one
+batched forward, with the rollbacks and releases queued since the last one) to the
+other ranks before running them itself, so all ranks run the same forwards in the same
+order. The acceptance kernel runs on rank 0's device.
 
 DeepSpeed's shared-memory all-reduce op is disabled unless asked for: on CPU it is
 JIT-compiled on first use (a minute or more with g++), crashes unless LOCAL_SIZE equals
@@ -24,7 +25,7 @@ from contextlib import closing
 
 import torch
 
-from workers.model_runner import ModelRunner
+from workers.batch_runner import BatchRunner
 
 SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
 
@@ -36,54 +37,73 @@ def free_port() -> int:
 
 
 class MirroredRunner:
-    """A ModelRunner whose cache operations are replayed on the follower ranks."""
+    """A BatchRunner whose cache operations are replayed on the follower ranks.
 
-    def __init__(self, runner: ModelRunner, world_size: int) -> None:
+    Followers mirror one batched operation per step: rollbacks and releases are pure
+    bookkeeping, so they are queued and travel in the same broadcast as the next
+    forward (or start), which is then the only collective message of the step."""
+
+    def __init__(self, runner: BatchRunner, world_size: int) -> None:
         self.runner = runner
         self.world_size = world_size
         self._lock = threading.Lock()
+        self._queued: list[tuple] = []  # bookkeeping ops for the next broadcast
         self.broadcast_s = 0.0
+        self.broadcasts = 0
 
     def __getattr__(self, name):  # read-only properties: vocab_size, max_context, ...
         return getattr(self.runner, name)
 
-    def _mirror(self, op: str, *args):
+    def _mirror(self, op: str, *args, **kwargs):
         with self._lock:
             if self.world_size > 1:
+                ops, self._queued = [*self._queued, (op, args, kwargs)], []
                 start = time.perf_counter()
-                torch.distributed.broadcast_object_list([(op, args)], src=0)
+                torch.distributed.broadcast_object_list([ops], src=0)
                 self.broadcast_s += time.perf_counter() - start
-            return getattr(self.runner, op)(*args)
+                self.broadcasts += 1
+            return getattr(self.runner, op)(*args, **kwargs)
 
-    def start(self, seq_id: str) -> None:
-        self._mirror("start", seq_id)
+    def _later(self, op: str, *args):
+        """Apply a bookkeeping op here now; followers get it with the next broadcast."""
+        with self._lock:
+            result = getattr(self.runner, op)(*args)
+            if self.world_size > 1:
+                self._queued.append((op, args, {}))
+            return result
 
-    def forward(self, seq_id: str, token_ids: list[int]) -> torch.Tensor:
-        return self._mirror("forward", seq_id, list(token_ids))
+    def fits(self, reserve_tokens: int) -> bool:
+        return self.runner.fits(reserve_tokens)
+
+    def start(self, seq_id: str, reserve_tokens: int | None = None) -> None:
+        self._mirror("start", seq_id, reserve_tokens)
+
+    def forward(self, seq_ids, token_ids, *, logits: str = "all") -> list[torch.Tensor]:
+        return self._mirror("forward", list(seq_ids), [list(t) for t in token_ids], logits=logits)
 
     def rollback(self, seq_id: str, num_tokens: int) -> None:
-        self._mirror("rollback", seq_id, num_tokens)
+        self._later("rollback", seq_id, num_tokens)
 
     def release(self, seq_id: str) -> bool:
-        return self._mirror("release", seq_id)
+        return self._later("release", seq_id)
 
     def stop_followers(self) -> None:
         with self._lock:
             if self.world_size > 1:
-                torch.distributed.broadcast_object_list([("stop", ())], src=0)
+                torch.distributed.broadcast_object_list([[("stop", (), {})]], src=0)
 
 
-def follow(runner: ModelRunner) -> int:
+def follow(runner: BatchRunner) -> int:
     """Follower loop (ranks >= 1): apply rank 0's operations until told to stop."""
     applied = 0
     while True:
         box = [None]
         torch.distributed.broadcast_object_list(box, src=0)
-        op, args = box[0]
-        if op == "stop":
-            return applied
-        getattr(runner, op)(*args)
-        applied += 1
+        for op, args, kwargs in box[0]:
+            if op == "stop":
+                return applied
+            getattr(runner, op)(*args, **kwargs)
+            applied += 1
 
 
 def init_rank(
@@ -96,7 +116,9 @@ def init_rank(
     device: str = "cpu",
     threads: int = 1,
     shm_allreduce: bool = False,
-) -> ModelRunner:
+    max_num_seqs: int = 32,
+    kv_budget_tokens: int | None = None,
+) -> BatchRunner:
     """Join the process group and load this rank's shard of the verifier."""
     os.environ.update(
         {
@@ -109,8 +131,9 @@ def init_rank(
         }
     )
     torch.set_num_threads(threads)
+    rows = {"max_num_seqs": max_num_seqs, "kv_budget_tokens": kv_budget_tokens}
     if world_size == 1:
-        return ModelRunner(verifier_dir, dtype=dtype, device=device)
+        return BatchRunner(verifier_dir, dtype=dtype, device=device, **rows)
     import deepspeed
 
     if not shm_allreduce:
@@ -128,7 +151,7 @@ def init_rank(
         dtype=DTYPES[dtype],
         replace_with_kernel_inject=False,
     )
-    return ModelRunner(verifier_dir, dtype=dtype, device=device, model=engine.module)
+    return BatchRunner(verifier_dir, dtype=dtype, device=device, model=engine.module, **rows)
 
 
 def shutdown_rank(world_size: int, *, started_at: float) -> list[str]:

@@ -9,6 +9,7 @@ the entries are non-zero; the decoded tensor is identical either way.
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import torch
 
@@ -17,6 +18,12 @@ from protos.cactus.internal.v1 import speculation_pb2 as pb
 from workers.interfaces import DraftBlock
 
 SPARSE_MAX_FILL = 1 / 3
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """A RowError's code back to a grpc.StatusCode (UNKNOWN if out of range)."""
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 
 def encode_block(block: DraftBlock, block_seq: int) -> pb.DraftBlock:

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 triton_accept = pytest.importorskip("kernels.triton_accept")  # triton is a dev pin
 
-from kernels import RULES, speculative_accept  # noqa: E402
+from kernels import RULES, AcceptMetadata, speculative_accept  # noqa: E402
 from tests.kernels.cases import edge_case, empty_residual_case, random_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,13 +32,10 @@ def _both(ids, draft, target, uniforms, **kw):
     want = speculative_accept(ids, draft, target, uniforms=uniforms, backend="torch", **kw)
     dev = [t.to(DEVICE) for t in (ids, draft, target, uniforms)]
     budget = kw.pop("divergence_budget", None)
-    got = triton_accept.speculative_accept_triton(
-        *dev[:3],
-        uniforms=dev[3],
-        divergence_budget=None if budget is None else budget.to(DEVICE),
-        **kw,
+    meta = AcceptMetadata(
+        uniforms=dev[3], divergence_budget=None if budget is None else budget.to(DEVICE), **kw
     )
-    return want, got
+    return want, triton_accept.speculative_accept_triton(*dev[:3], meta)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -75,16 +72,22 @@ def test_triton_empty_residual(rule):
 def test_triton_delta_zero_equals_sps():
     ids, draft, target, uniforms = random_case(77, batch=5, k=4, vocab=40)
     dev = [t.to(DEVICE) for t in (ids, draft, target, uniforms)]
-    sps = triton_accept.speculative_accept_triton(*dev[:3], uniforms=dev[3], rule="sps")
+    sps = triton_accept.speculative_accept_triton(
+        *dev[:3], AcceptMetadata(rule="sps", uniforms=dev[3])
+    )
     for rule in ("cactus", "cactus_exact"):
-        ours = triton_accept.speculative_accept_triton(*dev[:3], uniforms=dev[3], rule=rule)
+        ours = triton_accept.speculative_accept_triton(
+            *dev[:3], AcceptMetadata(rule=rule, uniforms=dev[3])
+        )
         assert torch.equal(sps.output_token_ids, ours.output_token_ids)
 
 
 def test_triton_rejects_bad_input():
     ids, draft, target, _ = random_case(0, batch=2, k=3, vocab=5)
     with pytest.raises(ValueError, match="delta"):
-        triton_accept.speculative_accept_triton(ids, draft, target, rule="cactus", delta=-1.0)
+        triton_accept.speculative_accept_triton(
+            ids, draft, target, AcceptMetadata(rule="cactus", delta=-1.0)
+        )
 
 
 AOT = textwrap.dedent(

@@ -75,24 +75,6 @@ def test_seeded_sampling_distributed_equals_in_process(
             assert dist.stats.num_accepted_tokens == local.stats.num_accepted_tokens
 
 
-def _set_pipeline(actor, on: bool) -> None:
-    actor.drafter.pipeline = on
-
-
-def test_unpipelined_propose_gives_the_same_tokens(groups, embedded_engine, heldout_prompts):
-    """With the next block no longer requested at commit time (one blocking Propose per
-    step), a seeded request still equals the in-process engine."""
-    rank0 = groups[1].rank0
-    ray.get(rank0.__ray_call__.remote(_set_pipeline, False))
-    try:
-        kw = {"temperature": 0.8, "top_k": 40, "seed": 77}
-        want = embedded_engine.generate(_req(heldout_prompts[12], "np-l", **kw))
-        got = groups[1].generate(_req(heldout_prompts[12], "np-d", **kw))
-    finally:
-        ray.get(rank0.__ray_call__.remote(_set_pipeline, True))
-    assert got.token_ids == want.token_ids and got.stats.num_drafts == want.stats.num_drafts
-
-
 def test_concurrent_requests_do_not_cross_talk(groups, embedded_engine, heldout_prompts):
     specs = [("sps", 0.0, 1), ("cactus", 1.0, 2), ("cactus_exact", 0.5, 3), ("tas", 0.0, 4)]
     reqs = [
@@ -152,22 +134,6 @@ def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
         client.check(bad, "proto", 3)
     assert client.check(fresh, "proto", 3).token_ids == tuple(fresh.token_ids)
     client.release("proto")
-    assert group.cache_counts()["draft"] == 0
-
-
-def test_prefetched_block_of_the_wrong_size_is_dropped(groups, embedded_engine):
-    """commit(next_k=n) sends the next Propose at once; a propose asking for another k
-    drops that block (StaleBlockError: the engine then decodes without drafts)."""
-    group = groups[1]
-    ids = embedded_engine.tokenizer.encode("def main():\n")
-    client = GrpcDrafter(group.draft_address, vocab_size=embedded_engine.verifier.vocab_size)
-    client.start("prefetch", ids, SamplingParams(temperature=1.0), seed=3)
-    block = client.propose("prefetch", 3)
-    client.commit("prefetch", len(ids), 0, block.token_ids[0], next_k=3)
-    with pytest.raises(StaleBlockError, match="prefetched 3 tokens, asked 2"):
-        client.propose("prefetch", 2)
-    client.release("prefetch")
-    client.close()
     assert group.cache_counts()["draft"] == 0
 
 

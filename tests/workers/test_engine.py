@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cactus.detokenize import IncrementalDetokenizer
 from cactus.errors import InvalidRequestError, RequestCancelledError
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from workers.engine import SpeculativeEngine
+from workers.request import RequestState
 
 RULES = ("sps", "cactus", "cactus_exact", "tas")
 
@@ -137,23 +137,27 @@ def test_max_tokens_and_streaming_reassemble(embedded_engine, heldout_prompts):
 
 
 def test_multibyte_output_is_never_split(embedded_engine):
-    """The embedded models almost never sample non-ASCII text, so the engine's emission
+    """The embedded models almost never sample non-ASCII text, so the request's emission
     path (stop checks, held-back text, release) is driven with the byte-level tokens of
     a multi-byte string, several of which hold only part of a character."""
     tok = embedded_engine.tokenizer
     text = "s = 'café — naïve 日本語 🙂'\n"
     ids = tok.encode(text, add_special_tokens=False)
     assert sum("\ufffd" in tok.decode([t]) for t in ids) >= 4
-    state = embedded_engine._open(_req("x = 1\n", max_tokens=len(ids), stop=("ZZZ",)))
-    detok = IncrementalDetokenizer(tok)
+    chunks = []
+    state = RequestState(
+        _req("x = 1\n", max_tokens=len(ids), stop=("ZZZ",)),
+        [1],
+        seed=0,
+        eos=None,
+        tokenizer=tok,
+        max_context=embedded_engine.limits.max_context,
+        sink=chunks.append,
+    )
     pieces = []
-    try:
-        for t in ids:
-            embedded_engine._emit(state, [t], detok)
-            pieces.append(embedded_engine._releasable(state, detok))
-    finally:
-        embedded_engine.drafter.release(state.id)
-        embedded_engine.verifier.release(state.id)
+    for t in ids:
+        state.emit([t])
+        pieces.append(state.releasable())
     assert state.finish_reason == "LENGTH"
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == text
@@ -206,11 +210,11 @@ def test_rollback_on_embedded_verifier(embedded_engine):
     text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     ids = embedded_engine.tokenizer.encode(text)
     assert len(ids) >= 14
-    runner.start("r")
-    runner.forward("r", ids[:8])
-    runner.forward("r", ids[8:13])
+    runner.start("r", 32)
+    runner.forward(["r"], [ids[:8]])
+    runner.forward(["r"], [ids[8:13]])
     runner.rollback("r", 4)
-    got = runner.forward("r", ids[9:14])
+    (got,) = runner.forward(["r"], [ids[9:14]])
     with torch.inference_mode():
         full = runner.model(input_ids=torch.tensor([ids[:14]]), use_cache=False).logits[0]
     runner.release("r")

@@ -1,5 +1,4 @@
-"""The engine loop (one thread steps every request, round-robin) on the embedded models,
-and the engine's next-block hint to the drafter."""
+"""The engine loop (one thread steps the whole batch) on the embedded models."""
 
 from __future__ import annotations
 
@@ -30,28 +29,19 @@ def loop(embedded_engine):
     assert embedded_engine.drafter.runner.num_sequences == 0
 
 
-@pytest.fixture
-def step_order(embedded_engine, monkeypatch):
-    """Record which request each engine step served, and on which thread."""
-    order = []
-    step = embedded_engine.step
-
-    def recording(state):
-        order.append((state.id, threading.get_ident()))
-        return step(state)
-
-    monkeypatch.setattr(embedded_engine, "step", recording)
-    return order
-
-
-def test_interleaved_requests_equal_their_solo_runs(embedded_engine, heldout_prompts, step_order):
+def test_concurrent_requests_share_steps_and_equal_their_solo_runs(
+    embedded_engine, heldout_prompts
+):
     reqs = [
         _req(heldout_prompts[i], f"loop{i}", rule=rule, seed=10 + i)
         for i, rule in enumerate(("sps", "cactus", "tas"))
     ]
     solo = [embedded_engine.generate(r) for r in reqs]
-    step_order.clear()
-    loop = EngineLoop(embedded_engine)
+    threads = set()
+    loop = EngineLoop(
+        embedded_engine, on_step=lambda engine, batch: threads.add(threading.get_ident())
+    )
+    before = dict(embedded_engine.timing.batch_sizes)
     try:
         streams = [loop.submit(r) for r in reqs]
         results = [[c for c in s][-1].result for s in streams]
@@ -59,9 +49,9 @@ def test_interleaved_requests_equal_their_solo_runs(embedded_engine, heldout_pro
         loop.shutdown()
     for want, got in zip(solo, results, strict=True):
         assert got.token_ids == want.token_ids and got.text == want.text
-    ids = [rid for rid, _ in step_order]
-    assert len({tid for _, tid in step_order}) == 1  # every step on the loop's thread
-    assert ids[:3] == ["loop0", "loop1", "loop2"]  # round-robin, not one after another
+    assert len(threads) == 1  # every step on the loop's own thread
+    after = embedded_engine.timing.batch_sizes
+    assert after.get(3, 0) > before.get(3, 0)  # the three ran in one batch
     assert embedded_engine.verifier.runner.num_sequences == 0
 
 
@@ -96,32 +86,3 @@ def test_shutdown_ends_running_requests(embedded_engine, heldout_prompts):
     assert embedded_engine.verifier.runner.num_sequences == 0
     with pytest.raises(EngineLoopStopped):
         loop.submit(_req(heldout_prompts[3], "late"))
-
-
-def test_next_block_hint_matches_the_next_propose(embedded_engine, heldout_prompts, monkeypatch):
-    """commit(next_k=n) promises the next propose asks for n tokens (a remote drafter
-    drafts them before being asked); 0 when no propose follows for sure."""
-    calls = []
-    drafter = embedded_engine.drafter
-    propose, commit = drafter.propose, drafter.commit
-
-    def rec_propose(rid, k):
-        calls.append(("propose", k))
-        return propose(rid, k)
-
-    def rec_commit(rid, epoch, accepted, token, *, next_k=0):
-        calls.append(("commit", next_k))
-        return commit(rid, epoch, accepted, token, next_k=next_k)
-
-    monkeypatch.setattr(drafter, "propose", rec_propose)
-    monkeypatch.setattr(drafter, "commit", rec_commit)
-    for max_tokens in (7, 23):
-        calls.clear()
-        req = _req(heldout_prompts[4], f"hint{max_tokens}", max_tokens=max_tokens)
-        assert embedded_engine.generate(req).finish_reason == "LENGTH"
-        hints = [(i, n) for i, (kind, n) in enumerate(calls) if kind == "commit"]
-        assert any(n > 0 for _, n in hints)
-        for i, n in hints:
-            if n > 0:
-                assert calls[i + 1] == ("propose", n)
-        assert calls[-1] == ("commit", 0)  # the request ends: no block is asked for

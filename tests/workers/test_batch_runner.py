@@ -1,0 +1,274 @@
+"""BatchRunner: ragged batched forwards, per-row rollback, evictions and the memory plan,
+checked against the per-sequence ModelRunner (the reference) and full recomputes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from tests.conftest import embedded_dirs
+from tests.tiny_models import FAMILIES, tiny_config
+from workers.batch_runner import BatchRunner, CapacityError
+from workers.model_runner import ModelRunner
+
+TOL = 1e-5
+MODES = ("all", "last", "none")
+
+
+def _full_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of a recompute without any cache."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def _expected(want: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "all":
+        return want
+    return want[-1:] if mode == "last" else want[:0]
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape, what
+    if got.numel():
+        assert float((got - want).abs().max()) < TOL, what
+
+
+class _Scenario:
+    """Random admissions, ragged forwards, rollbacks and evictions on both runners at once."""
+
+    def __init__(self, path, seed: int, max_num_seqs: int = 4) -> None:
+        self.ref = ModelRunner(path)
+        self.bat = BatchRunner(path, model=self.ref.model, max_num_seqs=max_num_seqs)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.tokens: dict[str, list[int]] = {}  # live id -> its tokens (for a full recompute)
+        self.reserve: dict[str, int] = {}
+        self.admitted = 0
+
+    def rand(self, lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=self.gen))
+
+    def admit(self) -> None:
+        seq_id = f"s{self.admitted}"
+        self.admitted += 1
+        self.reserve[seq_id] = self.rand(30, 120)  # crosses T = 64 -> 128: a live reallocation
+        self.ref.start(seq_id)
+        self.bat.start(seq_id, self.reserve[seq_id])
+        self.tokens[seq_id] = []
+
+    def evict(self) -> None:
+        live = sorted(self.tokens)
+        victim = live[self.rand(0, len(live) - 1)]
+        assert self.ref.release(victim) and self.bat.release(victim)
+        del self.tokens[victim]
+
+    def rollbacks(self) -> None:
+        for seq_id, toks in self.tokens.items():
+            if toks and self.rand(0, 1):
+                k = self.rand(1, min(len(toks), 5))
+                self.ref.rollback(seq_id, k)
+                self.bat.rollback(seq_id, k)
+                del toks[-k:]
+
+    def step(self) -> None:
+        ids, blocks = [], []
+        for seq_id, toks in self.tokens.items():
+            if toks and self.rand(0, 3) == 0:
+                continue  # not in this call: sits out if its row is inside the range
+            room = self.reserve[seq_id] - len(toks)
+            n = min(room, self.rand(2, 12) if not toks else self.rand(0, 5))
+            ids.append(seq_id)
+            blocks.append(torch.randint(0, self.ref.vocab_size, (n,), generator=self.gen).tolist())
+        order = torch.randperm(len(ids), generator=self.gen).tolist()
+        ids, blocks = [ids[i] for i in order], [blocks[i] for i in order]
+        mode = MODES[self.rand(0, 2)]
+        got = self.bat.forward(ids, blocks, logits=mode)
+        assert len(got) == len(ids)
+        for seq_id, block, logits in zip(ids, blocks, got, strict=True):
+            want = self.ref.forward(seq_id, block) if block else torch.empty(0, logits.shape[1])
+            _assert_close(logits, _expected(want, mode), f"{seq_id} {mode} {len(block)}")
+            self.tokens[seq_id] += block
+        for seq_id, toks in self.tokens.items():
+            assert self.bat.length(seq_id) == self.ref.length(seq_id) == len(toks)
+        assert self.bat.kv_slots <= self.bat.kv_budget_tokens
+
+    def run(self, steps: int, admit_at: dict[int, int], evict_at: set[int]) -> None:
+        for step in range(steps):
+            if step in evict_at:
+                self.evict()
+            for _ in range(admit_at.get(step, 0)):
+                self.admit()
+            self.rollbacks()
+            self.step()
+
+    def check_full_recompute(self) -> None:
+        seq_id = max(self.tokens, key=lambda s: len(self.tokens[s]))
+        toks = self.tokens[seq_id]
+        self.bat.rollback(seq_id, 1)
+        (got,) = self.bat.forward([seq_id], [toks[-1:]], logits="all")
+        _assert_close(got, _full_logits(self.bat.model, toks)[-1:], f"full recompute {seq_id}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_batched_steps_match_per_sequence_runner(family, tiny_checkpoints):
+    sc = _Scenario(tiny_checkpoints[family], seed=FAMILIES.index(family))
+    # 6 sequences through 4 rows: two evictions mid-way, later admissions reuse freed rows.
+    sc.run(12, admit_at={0: 2, 1: 1, 3: 1, 6: 1, 9: 1}, evict_at={5, 8})
+    assert sc.admitted == 6 and sc.bat.num_sequences == 4
+    sc.check_full_recompute()
+    for seq_id in list(sc.tokens):
+        assert sc.bat.release(seq_id)
+    assert sc.bat.num_sequences == 0
+
+
+def test_embedded_verifier_batched_steps():
+    verifier, _ = embedded_dirs()
+    sc = _Scenario(verifier, seed=7)
+    sc.run(6, admit_at={0: 3, 2: 1, 4: 1}, evict_at={3})
+    sc.check_full_recompute()
+
+
+def _sliding_checkpoint(tmp_path, tokenizer, family: str):
+    config = tiny_config(family, len(tokenizer), tokenizer.eos_token_id)
+    config.sliding_window = 6
+    if family == "qwen2":  # one full and one sliding layer: the mask goes in as a dict
+        config.use_sliding_window = True
+        config.layer_types = ["full_attention", "sliding_attention"]
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_layers_match_full_recompute(family, tmp_path, tiny_tokenizer):
+    bat = BatchRunner(_sliding_checkpoint(tmp_path, tiny_tokenizer, family), max_num_seqs=3)
+    assert bat.model.config.sliding_window == 6
+    gen = torch.Generator().manual_seed(0)
+    seqs = {s: [] for s in "abc"}
+    for s in seqs:
+        bat.start(s, 64)
+    for step in range(4):
+        blocks = [
+            torch.randint(0, bat.vocab_size, (3 + 2 * i,), generator=gen).tolist() for i in range(3)
+        ]
+        if step % 2:
+            bat.rollback("b", 2)
+            del seqs["b"][-2:]
+        got = bat.forward(list(seqs), blocks)
+        for (s, toks), block, logits in zip(seqs.items(), blocks, got, strict=True):
+            toks += block
+            _assert_close(logits, _full_logits(bat.model, toks)[-len(block) :], f"{s} {step}")
+    assert len(seqs["c"]) > 3 * 6  # well past the window
+
+
+def test_transformers_uses_our_cache_mask_and_logits_to_keep(tiny_checkpoints, monkeypatch):
+    """Pins what BatchRunner relies on in transformers 5.24."""
+    bat = BatchRunner(tiny_checkpoints["llama"], max_num_seqs=2)
+    model, layers = bat.model, bat.model.config.num_hidden_layers
+    bat.start("a", 64)
+    bat.start("b", 64)
+    calls = []
+    real_update = bat._cache.update
+
+    def spy(key_states, value_states, layer_idx, *args, **kwargs):
+        calls.append(layer_idx)
+        return real_update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(bat._cache, "update", spy)
+    bat.forward(["a", "b"], [[5, 6, 7, 8], [9, 10, 11]])
+    assert calls == list(range(layers))
+
+    # A 4-D mask goes through the mask factories unchanged ...
+    embeds = torch.zeros(2, 1, model.config.hidden_size)
+    mask = torch.zeros(2, 1, 1, 5)
+    assert create_causal_mask(model.config, embeds, mask, bat._cache) is mask
+    assert create_sliding_window_causal_mask(model.config, embeds, mask, bat._cache) is mask
+    # ... and reaches attention: hiding slot 1 from row "a" changes only row "a".
+    plain = bat.forward(["a", "b"], [[3], [4]])
+    bat.rollback("a", 1)
+    bat.rollback("b", 1)
+    real_mask = bat._attention_mask
+
+    def hide_slot(pos, kv_len):
+        m = real_mask(pos, kv_len).clone()
+        m[bat._row["a"], :, :, 1] = torch.finfo(m.dtype).min
+        return m
+
+    monkeypatch.setattr(bat, "_attention_mask", hide_slot)
+    hidden = bat.forward(["a", "b"], [[3], [4]])
+    assert float((hidden[0] - plain[0]).abs().max()) > 1e-4
+    assert float((hidden[1] - plain[1]).abs().max()) < 1e-6
+
+    # logits_to_keep: a bool [B, Q] mask flattens to [sum, V]; an int keeps the last positions.
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    keep = torch.tensor([[False, True, False], [False, False, False]])
+    with torch.inference_mode():
+        assert model(input_ids=ids, logits_to_keep=keep).logits.shape == (1, bat.vocab_size)
+        assert model(input_ids=ids, logits_to_keep=1).logits.shape == (2, 1, bat.vocab_size)
+
+
+def test_memory_plan_capacity_and_bounds(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    ref = ModelRunner(path)
+    bat = BatchRunner(path, model=ref.model, max_num_seqs=3, kv_budget_tokens=200)
+    assert bat.kv_slots == 0 and bat.kv_budget_tokens == 200
+    for s in "abc":
+        assert bat.fits(64)
+        bat.start(s, 64)
+        ref.start(s)
+        assert bat.kv_slots <= 200
+    assert (bat.rows_allocated, bat.t_capacity) == (3, 64)
+    assert not bat.fits(1)
+    with pytest.raises(CapacityError):
+        bat.start("d", 1)
+    prompts = {s: list(range(10 * i + 1, 10 * i + 9)) for i, s in enumerate("abc")}
+    bat.forward(list(prompts), list(prompts.values()))
+    for s, p in prompts.items():
+        ref.forward(s, p)
+
+    assert bat.release("b") and not bat.release("b")
+    assert not bat.fits(70)  # 3 rows of 70 > 200
+    with pytest.raises(CapacityError):
+        bat.start("d", 70)
+    assert bat.fits(66)
+    bat.start("d", 66)  # T grows 64 -> 66 (capped by the budget), live rows are copied
+    ref.start("d")
+    assert bat.t_capacity == 66 and bat.kv_slots <= 200
+    got = bat.forward(["c", "a", "d"], [[1], [2], [3, 4]])
+    for s, block, logits in zip("cad", [[1], [2], [3, 4]], got, strict=True):
+        _assert_close(logits, ref.forward(s, block), s)
+
+    with pytest.raises(ValueError, match="'d'"):
+        bat.forward(["a", "d"], [[1], list(range(65))])
+    assert bat.length("d") == 2 and bat.length("a") == 9
+    with pytest.raises(ValueError, match="num_tokens"):
+        bat.rollback("a", 10)
+    bat.rollback("a", 0)
+    assert bat.length("a") == 9
+    with pytest.raises(KeyError):
+        bat.forward(["zz"], [[1]])
+    with pytest.raises(ValueError):
+        bat.start("e", 0)
+    with pytest.raises(ValueError):
+        bat.start("e", bat.max_context + 65)
+    assert [x.shape for x in bat.forward(["a", "c"], [[], []], logits="last")] == [
+        (0, bat.vocab_size)
+    ] * 2
+    bat.start("a", 8)  # re-starting a live id replaces it
+    assert bat.length("a") == 0 and bat.num_sequences == 3
+    for s in "acd":
+        assert bat.release(s)
+    assert bat.num_sequences == 0
+
+
+def test_rows_grow_lazily(tiny_checkpoints):
+    bat = BatchRunner(tiny_checkpoints["qwen3"], max_num_seqs=32)
+    bat.start("only", 10)
+    assert (bat.rows_allocated, bat.t_capacity) == (1, 64)
+    bat.forward(["only"], [[1, 2, 3]])
+    assert bat._cache.layers[0].keys.shape[0] == 1
+    bat.start("two")  # reserve defaults to max_context (256)
+    assert (bat.rows_allocated, bat.t_capacity) == (2, 256)
+    assert bat._cache.layers[0].keys.shape[::2] == (2, 256)

@@ -1,0 +1,231 @@
+"""The batched engine: many requests in one step, each giving exactly its solo tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from cactus.errors import RequestCancelledError, WorkerUnavailableError
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from workers.engine import SpeculativeEngine
+from workers.local import local_engine
+from workers.scheduler import SchedulerConfig
+
+
+def _req(prompt, rid, *, rule="cactus", delta=1.0, k=4, **sampling):
+    sampling.setdefault("max_tokens", 24)
+    return GenerationRequest(
+        prompt=prompt,
+        request_id=rid,
+        sampling=SamplingParams(**sampling),
+        speculation=SpeculationParams(rule=rule, delta=delta, num_speculative_tokens=k),
+    )
+
+
+def _run_together(engine, reqs, *, on_step=None, cancelled=None):
+    """Add every request, step until all end; returns {id: [chunks or the error]}."""
+    out = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(
+            r, out[r.request_id].append, cancelled=(cancelled or {}).get(r.request_id)
+        )
+    steps = 0
+    while engine.has_work():
+        batch = engine.step()
+        steps += 1
+        if on_step is not None:
+            on_step(steps, batch)
+        assert steps < 2000
+    return out
+
+
+def _result(items):
+    assert items and not isinstance(items[-1], BaseException), items[-1:]
+    return items[-1].result
+
+
+def _mixed(prompts):
+    """8 requests: every rule, different K, deltas, prompt lengths, max_tokens, stops."""
+    specs = [
+        ("none", 0.0, 4, {"temperature": 0.8, "seed": 1, "max_tokens": 20}),
+        ("sps", 0.0, 4, {"temperature": 0.9, "top_k": 40, "seed": 2, "max_tokens": 31}),
+        ("cactus", 1.0, 6, {"temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 27}),
+        ("cactus", 0.3, 2, {"temperature": 1.0, "seed": 4, "max_tokens": 9, "stop": ("\n\n",)}),
+        ("cactus_exact", 0.5, 3, {"temperature": 0.8, "top_k": 20, "seed": 5, "max_tokens": 24}),
+        ("tas", 0.0, 5, {"temperature": 0.9, "seed": 6, "max_tokens": 18}),
+        ("sps", 0.0, 1, {"temperature": 0.0, "max_tokens": 22}),
+        ("cactus", 2.0, 8, {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 8}),
+    ]
+    reqs = []
+    for i, (rule, delta, k, kw) in enumerate(specs):
+        prompt = prompts[i][: 20 + 9 * i]  # different prompt lengths
+        req = _req(prompt, f"mix{i}", rule=rule, delta=delta, k=k, **kw)
+        if i == 4:
+            req = replace(req, speculation=replace(req.speculation, max_divergence_nats=0.5))
+        reqs.append(req)
+    return reqs
+
+
+def test_mixed_batch_gives_each_request_its_solo_tokens(embedded_engine, heldout_prompts):
+    reqs = _mixed(heldout_prompts)
+    solo = {
+        r.request_id: embedded_engine.generate(replace(r, request_id="s-" + r.request_id))
+        for r in reqs
+    }
+    sizes = []
+    out = _run_together(embedded_engine, reqs, on_step=lambda _s, b: sizes.append(b))
+    assert max(sizes) == 8  # all eight really shared steps
+    for r in reqs:
+        got, want = _result(out[r.request_id]), solo[r.request_id]
+        assert got.token_ids == want.token_ids, r.speculation
+        assert got.text == want.text and got.finish_reason == want.finish_reason
+        assert got.stats.num_accepted_tokens == want.stats.num_accepted_tokens
+        # q moves by ~1e-6 with the KV padding of a batch (never enough to flip a token here)
+        assert got.stats.divergence_nats == pytest.approx(want.stats.divergence_nats, rel=1e-4)
+        streamed = [t for c in out[r.request_id] for t in c.token_ids]
+        assert streamed == list(got.token_ids)  # nothing lost, nothing twice
+    assert embedded_engine.verifier.runner.num_sequences == 0
+    assert embedded_engine.drafter.runner.num_sequences == 0
+
+
+def test_greedy_batch_of_every_rule_equals_verifier_greedy(embedded_engine, heldout_prompts):
+    rules = ("sps", "cactus", "cactus_exact", "tas")
+    want = {}
+    reqs = []
+    for i, prompt in enumerate(heldout_prompts[:5]):
+        want[i] = embedded_engine.generate(
+            _req(prompt, f"g-plain{i}", rule="none", temperature=0.0, max_tokens=32)
+        ).token_ids
+        for rule in rules:
+            reqs.append(
+                _req(
+                    prompt,
+                    f"g{i}-{rule}",
+                    rule=rule,
+                    delta=2.0,
+                    temperature=0.0,
+                    max_tokens=32,
+                    k=2 + i % 4,
+                )
+            )
+    out = _run_together(embedded_engine, reqs)
+    for r in reqs:
+        i = int(r.request_id[1 : r.request_id.index("-")])
+        assert _result(out[r.request_id]).token_ids == want[i], r.request_id
+
+
+def test_cancelling_one_row_frees_it_within_a_step(embedded_engine, heldout_prompts):
+    reqs = [
+        _req(heldout_prompts[i], f"c{i}", seed=20 + i, temperature=0.9, max_tokens=40)
+        for i in range(4)
+    ]
+    solo = {
+        r.request_id: embedded_engine.generate(replace(r, request_id="s" + r.request_id))
+        for r in reqs
+    }
+    flag = {"set": False}
+    rows_after = []
+
+    def on_step(step, _batch):
+        rows_after.append(embedded_engine.verifier.runner.num_sequences)
+        if step == 3:
+            flag["set"] = True
+
+    out = _run_together(
+        embedded_engine, reqs, on_step=on_step, cancelled={"c1": lambda: flag["set"]}
+    )
+    assert isinstance(out["c1"][-1], RequestCancelledError)
+    assert rows_after[2] == 4 and rows_after[3] == 3  # freed at the very next step
+    for rid in ("c0", "c2", "c3"):
+        assert _result(out[rid]).token_ids == solo[rid].token_ids
+    assert embedded_engine.drafter.runner.num_sequences == 0
+
+
+def test_rows_and_token_budget_make_requests_wait_not_fail(embedded_engine, heldout_prompts):
+    """max_num_seqs 2, 16 tokens a step: the rest wait their turn, a long prompt goes in
+    chunk by chunk while the running rows keep decoding, and every output equals solo."""
+    engine = SpeculativeEngine(
+        embedded_engine.drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, min_prefill_chunk=4),
+    )
+    long_prompt = " ".join(heldout_prompts[:6])
+    reqs = [_req(heldout_prompts[i], f"w{i}", seed=40 + i, temperature=0.8) for i in range(4)]
+    reqs.append(_req(long_prompt, "w-long", seed=50, temperature=0.8))
+    solo = {
+        r.request_id: embedded_engine.generate(replace(r, request_id="s" + r.request_id))
+        for r in reqs
+    }
+    seen = {"rows": 0, "waiting": 0, "prefill_steps": 0}
+
+    def on_step(_step, batch):
+        sched = engine.scheduler
+        seen["rows"] = max(seen["rows"], sched.num_rows)
+        seen["waiting"] = max(seen["waiting"], len(sched.waiting))
+        if batch and any(s.id == "w-long" for s in sched.prefilling):
+            seen["prefill_steps"] += 1  # decoding went on while the long prompt went in
+
+    out = _run_together(engine, reqs, on_step=on_step)
+    assert seen["rows"] == 2 and seen["waiting"] >= 1
+    assert seen["prefill_steps"] >= 3
+    for r in reqs:
+        assert _result(out[r.request_id]).token_ids == solo[r.request_id].token_ids
+
+
+def test_kv_budget_queues_requests_that_do_not_fit(tiny_checkpoints):
+    engine = local_engine(
+        str(tiny_checkpoints["llama"]), str(tiny_checkpoints["qwen2"]), kv_budget_tokens=128
+    )
+    reqs = [
+        GenerationRequest(
+            prompt_token_ids=tuple(range(5, 25)),
+            request_id=f"kv{i}",
+            sampling=SamplingParams(max_tokens=40, temperature=0.0),
+        )
+        for i in range(3)
+    ]
+    most = []
+    out = _run_together(engine, reqs, on_step=lambda *_: most.append(engine.scheduler.num_rows))
+    assert max(most) == 2  # 64-slot rows: two fit in 128, the third waited
+    want = engine.generate(replace(reqs[0], request_id="kv-solo")).token_ids
+    assert all(_result(out[r.request_id]).token_ids == want for r in reqs)
+    assert engine.verifier.runner.kv_slots <= 128
+
+
+class _DyingDrafter:
+    """The in-process drafter, dead from the `after`-th propose on."""
+
+    def __init__(self, inner, after):
+        self.inner, self.after, self.calls = inner, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, rows):
+        self.calls += 1
+        if self.calls >= self.after:
+            raise WorkerUnavailableError("draft actor: UNAVAILABLE")
+        return self.inner.propose(rows)
+
+
+def test_dead_drafter_degrades_every_row_without_losing_a_token(embedded_engine, heldout_prompts):
+    drafter = _DyingDrafter(embedded_engine.drafter, after=4)
+    engine = SpeculativeEngine(drafter, embedded_engine.verifier, embedded_engine.tokenizer)
+    reqs = [
+        _req(p, f"d{i}", temperature=0.0, max_tokens=30) for i, p in enumerate(heldout_prompts[:4])
+    ]
+    want = [
+        embedded_engine.generate(
+            replace(r, request_id="p" + r.request_id, speculation=SpeculationParams(rule="none"))
+        )
+        for r in reqs
+    ]
+    out = _run_together(engine, reqs)
+    for r, w in zip(reqs, want, strict=True):
+        got = _result(out[r.request_id])
+        assert got.token_ids == w.token_ids
+        assert [t for c in out[r.request_id] for t in c.token_ids] == list(got.token_ids)
+        assert got.stats.draft_failures == 1 and got.stats.num_drafts == 3
+    assert embedded_engine.drafter.runner.num_sequences == 0

@@ -1,0 +1,238 @@
+"""Per-request bookkeeping, apart from scheduling and from the batched step: stop
+conditions, incremental detokenising with held-back stop-string tails, statistics, and
+the chunks handed to the caller.
+
+A request's progress is its committed tokens (prompt + generated); its verifier row is
+prefilled in chunks (`prefilled` counts them) before it joins the decode batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cactus.detokenize import IncrementalDetokenizer
+from cactus.params import GenerationRequest
+
+VERIFY_SEED_SALT = 0x5EED_CAC7_0000_0001
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculation statistics (vLLM's names)."""
+
+    num_drafts: int = 0  # verify steps that carried a draft block
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    divergence_nats: float = 0.0
+    draft_failures: int = 0  # the drafter failed; the request went on without drafts
+    draft_s: float = 0.0  # time of the steps' draft passes this request took part in
+    verify_s: float = 0.0
+    kernel_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "divergence_nats": self.divergence_nats,
+            "draft_failures": self.draft_failures,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "kernel_s": self.kernel_s,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # EOS, STOP (stop id), STOP_SEQUENCE, LENGTH, TIME_LIMIT
+    prompt_tokens: int
+    seed: int
+    stats: SpecStats
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Streamed output: new tokens and text. The last chunk has the finish reason and
+    the whole result."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    result: GenerationResult | None = None
+
+
+# Where a request's chunks go: a GenerationChunk, or an exception that ends the request.
+Sink = Callable[[object], None]
+
+
+class RequestState:
+    """One request in flight: its parameters, progress, stop handling and output."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        *,
+        seed: int,
+        eos: int | None,
+        tokenizer,
+        max_context: int,
+        sink: Sink,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
+        self.request = request
+        self.id = request.request_id
+        self.prompt_ids = prompt_ids
+        self.seed = seed
+        self.eos = eos
+        self.max_context = max_context
+        self.sink = sink
+        self.cancelled = cancelled
+        self.generator = torch.Generator().manual_seed(seed ^ VERIFY_SEED_SALT)
+        self.generated: list[int] = []
+        self.stats = SpecStats(
+            accepted_per_position=[0] * request.speculation.num_speculative_tokens
+        )
+        self.finish_reason: str | None = None
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.released_chars = 0  # text already handed to the caller
+        self.drafting = request.speculation.rule != "none"  # False once the drafter failed
+        self.prefilled = 0  # verifier prompt tokens (all but the last) already in its row
+        limit = request.time_limit_s
+        self.deadline = time.monotonic() + limit if limit else None
+
+    @property
+    def committed(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt tokens still to go into the verifier row (the last one never does)."""
+        return len(self.prompt_ids) - 1 - self.prefilled
+
+    @property
+    def reserve_tokens(self) -> int:
+        """The most tokens this request's verifier row will ever hold. A step writes
+        committed - 1 + K + 1 tokens, and K is kept below the tokens still to come
+        (num_draft_tokens), so that is at most prompt + max_tokens - 1."""
+        return min(self.max_context, len(self.prompt_ids) + self.request.sampling.max_tokens)
+
+    def num_draft_tokens(self) -> int:
+        """K for the next step, reduced near the end: never draft past max_tokens or the
+        context (the verifier emits one token more than it accepts)."""
+        if not self.drafting:
+            return 0
+        k = self.request.speculation.num_speculative_tokens
+        left = self.request.sampling.max_tokens - len(self.generated)
+        room = self.max_context - self.committed
+        return max(0, min(k, left - 1, room - 1))
+
+    def timed_out(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    # ---- emission -----------------------------------------------------------------
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Commit tokens one by one, stopping at EOS, a stop id, max_tokens or a stop
+        string; returns the tokens taken."""
+        s = self.request.sampling
+        taken = []
+        for tok in tokens:
+            self.generated.append(tok)
+            taken.append(tok)
+            if tok == self.eos:
+                self.finish_reason = "EOS"
+                break
+            if tok in s.stop_token_ids:  # kept in token_ids, not in the text
+                self.finish_reason = "STOP"
+                break
+            new_chars = len(self.detok.add(tok))
+            if new_chars and self._hit_stop_string(new_chars):
+                self.finish_reason = "STOP_SEQUENCE"
+                break
+            if len(self.generated) >= s.max_tokens:
+                self.finish_reason = "LENGTH"
+                break
+        if self.finish_reason is None and self.committed >= self.max_context:
+            self.finish_reason = "LENGTH"
+        if self.finish_reason not in (None, "STOP_SEQUENCE"):
+            self.detok.flush()  # a trailing incomplete character, if any
+        return taken
+
+    def _hit_stop_string(self, new_chars: int) -> bool:
+        """Cut the text at the first stop string, if the last `new_chars` characters
+        completed one (earlier text was already searched: only its tail can take part)."""
+        stops = self.request.sampling.stop
+        if not stops:
+            return False
+        text = self.detok.text
+        start = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
+        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        if not hits:
+            return False
+        self.detok.text = text[: min(hits)]
+        return True
+
+    def releasable(self) -> str:
+        """Text safe to hand out: hold back a tail that could still become a stop string."""
+        end = len(self.detok.text)
+        if self.finish_reason is None and self.request.sampling.stop:
+            end -= max(len(s) for s in self.request.sampling.stop) - 1
+        end = max(end, self.released_chars)
+        text = self.detok.text[self.released_chars : end]
+        self.released_chars = end
+        return text
+
+    def push(self, new_tokens: list[int]) -> None:
+        """Hand the caller what this step produced (the final chunk when finished)."""
+        text = self.releasable()
+        if self.finish_reason is not None:
+            self.sink(
+                GenerationChunk(self.id, tuple(new_tokens), text, self.finish_reason, self.result())
+            )
+        elif new_tokens or text:
+            self.sink(GenerationChunk(self.id, tuple(new_tokens), text))
+
+    def time_limit(self) -> None:
+        self.finish_reason = "TIME_LIMIT"
+        self.detok.flush()
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            request_id=self.id,
+            text=self.detok.text,
+            token_ids=tuple(self.generated),
+            finish_reason=self.finish_reason or "ABORT",
+            prompt_tokens=len(self.prompt_ids),
+            seed=self.seed,
+            stats=self.stats,
+        )
+
+    def count(self, k: int, accepted: int, divergence: float) -> None:
+        st = self.stats
+        st.num_drafts += 1
+        st.num_draft_tokens += k
+        st.num_accepted_tokens += accepted
+        for i in range(accepted):
+            st.accepted_per_position[i] += 1
+        st.divergence_nats += divergence

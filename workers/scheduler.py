@@ -1,0 +1,92 @@
+"""The scheduler: which requests run, which wait, and how much prompt is prefilled per step.
+
+vLLM's V1 policy in miniature: first come, first served; a request is admitted when a
+row is free (max_num_seqs) and its KV reservation fits the verifier's budget, otherwise
+it waits (it is never dropped; nothing behind it overtakes it). Each step spends a token
+budget (max_num_batched_tokens) on the running rows' decode tokens first, then on
+chunks of the prompts being prefilled, so a long prompt never stalls the running rows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from workers.request import RequestState
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # requests in the batch (rows), prefilling or decoding
+    max_num_batched_tokens: int = 512  # tokens a step may compute, decode tokens first
+    min_prefill_chunk: int = 32  # prompt tokens a step always prefills when any wait
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[RequestState] = deque()  # not yet holding a row
+        self.prefilling: list[RequestState] = []  # holding a row, prompt going in
+        self.running: list[RequestState] = []  # in the decode batch
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + self.num_rows
+
+    def all(self) -> list[RequestState]:
+        return [*self.running, *self.prefilling, *self.waiting]
+
+    def add(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def admit(
+        self, fits: Callable[[RequestState], bool], start: Callable[[RequestState], None]
+    ) -> int:
+        """Move waiting requests into rows, in arrival order, while they fit; `start`
+        takes each one's rows before the next is considered."""
+        admitted = 0
+        while self.waiting and self.num_rows < self.config.max_num_seqs:
+            if not fits(self.waiting[0]):
+                break
+            state = self.waiting.popleft()
+            self.prefilling.append(state)
+            start(state)
+            admitted += 1
+        return admitted
+
+    def prefill_plan(self, decode_tokens: int) -> list[tuple[RequestState, int]]:
+        """(request, tokens) chunks for this step, within what the decode rows left."""
+        c = self.config
+        budget = max(c.max_num_batched_tokens - decode_tokens, c.min_prefill_chunk)
+        plan = []
+        for state in self.prefilling:
+            n = min(state.to_prefill, budget)
+            if n > 0:
+                plan.append((state, n))
+                budget -= n
+            if budget <= 0:
+                break
+        return plan
+
+    def promote(self) -> None:
+        """Requests whose prompt is in join the decode batch (at the next step)."""
+        done = [s for s in self.prefilling if s.to_prefill == 0]
+        self.prefilling = [s for s in self.prefilling if s.to_prefill > 0]
+        self.running.extend(done)
+
+    def remove(self, state: RequestState) -> None:
+        for group in (self.running, self.prefilling):
+            if state in group:
+                group.remove(state)
+                return
+        if state in self.waiting:
+            self.waiting.remove(state)
