@@ -355,6 +355,9 @@ class BatchRunner:
             return [torch.empty(0, self.vocab_size) for _ in rows]
         step, ids, pos = self._step(rows, token_ids)
         keep = self._keep(step, logits)  # [B, Q]
+        # The LM head sees only the positions some row needs: a 1-D index keeps the
+        # hidden states 3-D [B, C, H], which DeepSpeed's sharded LM head requires.
+        cols = keep.any(0).nonzero().flatten()  # [C]
         self._cache.step = step
         try:
             out = self.model(
@@ -363,13 +366,13 @@ class BatchRunner:
                 position_ids=pos,
                 cache=self._cache,
                 use_cache=True,
-                logits_to_keep=keep,
+                logits_to_keep=cols if len(cols) else 1,
             )
         finally:
             self._cache.step = None
         for row, toks in zip(rows, token_ids, strict=True):
             self._lens[row] += len(toks)
         self._cache.longest = max(self._lens)
-        # Bool logits_to_keep flattens to [sum(keep), V] in row-major order.
-        chunks = out.logits.float().split(keep.sum(1).tolist())
+        sel = keep[:, cols]  # [B, C]: which kept columns belong to each row
+        chunks = out.logits[:, : len(cols)][sel].float().split(sel.sum(1).tolist())
         return [chunks[row - step.r0] for row in rows]

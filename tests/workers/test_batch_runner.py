@@ -201,11 +201,14 @@ def test_transformers_uses_our_cache_mask_and_logits_to_keep(tiny_checkpoints, m
     assert float((hidden[0] - plain[0]).abs().max()) > 1e-4
     assert float((hidden[1] - plain[1]).abs().max()) < 1e-6
 
-    # logits_to_keep: a bool [B, Q] mask flattens to [sum, V]; an int keeps the last positions.
+    # logits_to_keep: a 1-D index keeps those positions of every row (3-D, as DeepSpeed's
+    # sharded LM head needs); an int keeps the last positions.
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    keep = torch.tensor([[False, True, False], [False, False, False]])
     with torch.inference_mode():
-        assert model(input_ids=ids, logits_to_keep=keep).logits.shape == (1, bat.vocab_size)
+        full = model(input_ids=ids).logits
+        kept = model(input_ids=ids, logits_to_keep=torch.tensor([0, 2])).logits
+        assert kept.shape == (2, 2, bat.vocab_size)
+        assert torch.allclose(kept, full[:, [0, 2]], atol=1e-6)
         assert model(input_ids=ids, logits_to_keep=1).logits.shape == (2, 1, bat.vocab_size)
 
 

@@ -4,6 +4,7 @@ ranks exchanging draft blocks over gRPC, against the in-process engine."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -75,18 +76,23 @@ def test_seeded_sampling_distributed_equals_in_process(
             assert dist.stats.num_accepted_tokens == local.stats.num_accepted_tokens
 
 
-def test_concurrent_requests_do_not_cross_talk(groups, embedded_engine, heldout_prompts):
-    specs = [("sps", 0.0, 1), ("cactus", 1.0, 2), ("cactus_exact", 0.5, 3), ("tas", 0.0, 4)]
-    reqs = [
-        _req(heldout_prompts[i], f"cc{i}", rule=r, delta=d, seed=s, temperature=0.9)
-        for i, (r, d, s) in enumerate(specs)
-    ]
+def test_mixed_batch_tp2_gives_each_request_its_solo_tokens(
+    groups, embedded_engine, heldout_prompts
+):
+    """The 8 mixed requests of the in-process batch test, sent at once to one TP = 2
+    rank 0: they share its steps, and each equals its solo in-process run."""
+    from tests.workers.test_batched_engine import _mixed
+
+    reqs = _mixed(heldout_prompts)
     group = groups[2]
-    refs = [group.rank0.generate.remote(r) for r in reqs]  # rank 0 interleaves their steps
-    together = ray.get(refs)
+    before = ray.get(group.rank0.timings.remote())["batch_sizes"]
+    together = ray.get([group.rank0.generate.remote(r) for r in reqs])
+    after = ray.get(group.rank0.timings.remote())["batch_sizes"]
+    assert max(int(b) for b, n in after.items() if n > before.get(b, 0)) >= 6
     for req, got in zip(reqs, together, strict=True):
-        solo = embedded_engine.generate(req)
+        solo = embedded_engine.generate(replace(req, request_id="solo-" + req.request_id))
         assert got.token_ids == solo.token_ids, req.speculation.rule
+        assert got.stats.num_accepted_tokens == solo.stats.num_accepted_tokens
 
 
 def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
@@ -151,17 +157,51 @@ def test_cancel_frees_caches_on_both_sides(groups, heldout_prompts):
     assert counts == {"draft": 0, "draft_sessions": 0, "rank0": 0}
 
 
-def test_dead_draft_actor_degrades_to_plain_decoding(ray_session, embedded_engine, heldout_prompts):
+def test_cancelling_one_stream_leaves_the_batch_alone(groups, embedded_engine, heldout_prompts):
+    group = groups[2]
+    kw = {"temperature": 0.9, "max_tokens": 48}
+    keep = [_req(heldout_prompts[i], f"keep{i}", seed=60 + i, **kw) for i in range(3)]
+    refs = [group.rank0.generate.remote(r) for r in keep]
+    seen = 0
+    for _chunk in group.stream(_req(heldout_prompts[5], "drop-me", seed=7, **kw)):
+        seen += 1
+        if seen == 2:
+            group.cancel("drop-me")
+    assert seen < 20
+    for req, got in zip(keep, ray.get(refs), strict=True):
+        solo = embedded_engine.generate(replace(req, request_id="solo-" + req.request_id))
+        assert got.token_ids == solo.token_ids
+    assert group.cache_counts() == {"draft": 0, "draft_sessions": 0, "rank0": 0}
+
+
+def test_dead_draft_actor_degrades_every_running_request(
+    ray_session, embedded_engine, heldout_prompts
+):
+    """Streams in flight when the draft actor dies finish by plain decoding: greedy
+    output equals the verifier's, no token lost or repeated on the stream."""
     verifier, draft = embedded_dirs()
     group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
     try:
+        reqs = [
+            _req(heldout_prompts[i], f"orphan{i}", temperature=0.0, max_tokens=40) for i in range(3)
+        ]
+        streams = [group.rank0.stream.options(num_returns="streaming").remote(r) for r in reqs]
+        chunks = [[ray.get(next(s))] for s in streams]  # every request is running
         ray.kill(group.draft)
-        req = _req(heldout_prompts[1], "orphan", temperature=0.0)
-        got = group.generate(req)
-        want = embedded_engine.generate(
-            _req(heldout_prompts[1], "o2", rule="none", temperature=0.0)
-        )
-        assert got.token_ids == want.token_ids and got.stats.draft_failures == 1
+        for got, stream in zip(chunks, streams, strict=True):
+            got.extend(ray.get(ref) for ref in stream)
+        for req, got in zip(reqs, chunks, strict=True):
+            result = got[-1].result
+            want = embedded_engine.generate(
+                replace(
+                    req,
+                    request_id="v-" + req.request_id,
+                    speculation=SpeculationParams(rule="none"),
+                )
+            )
+            assert result.token_ids == want.token_ids
+            assert [t for c in got for t in c.token_ids] == list(result.token_ids)
+            assert result.stats.draft_failures == 1
     finally:
         group.shutdown()
 
