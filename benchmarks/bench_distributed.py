@@ -8,8 +8,8 @@ Prints tokens/s (median over requests), the ratio to the in-process engine, and 
 per-step breakdown in milliseconds:
 
     draft      draft-model compute (on the draft actor for the distributed engine)
-    grpc       Propose round trip (sent with the commit, answered) minus the draft
-               compute: transport, serialisation, the draft side's commit
+    grpc       ProposeBatch round trip minus the draft compute: transport,
+               serialisation, the draft side's commits
     verify     verifier forward (for TP: including the all-reduces), minus broadcast
     bcast      rank 0 broadcasting the step's operations to the other ranks
     kernel     sampling processing + the acceptance kernel
@@ -21,6 +21,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 
@@ -65,7 +66,8 @@ class _Runner:
         result = self._run(request)
         wall = time.perf_counter() - start
         after = self._timings()
-        return wall, result, {k: after[k] - before.get(k, 0.0) for k in after}
+        numbers = [k for k, v in after.items() if isinstance(v, (int, float))]
+        return wall, result, {k: after[k] - before.get(k, 0.0) for k in numbers}
 
 
 def main(argv=None) -> None:
@@ -121,7 +123,7 @@ def main(argv=None) -> None:
             runner(_request(prompts[0], f"warm-{runner.name}", "cactus", 1.0, 8, 0))
         samples = _measure(runners, prompts, args)
         _report(samples, args)
-        _concurrent_pipeline(groups[1], prompts, args)
+        _concurrent(groups[1], local, prompts, args)
     finally:
         for group in groups.values():
             group.shutdown()
@@ -141,35 +143,49 @@ def _measure(runners, prompts, args) -> dict:
     return samples
 
 
-def _set_pipeline(actor, on: bool) -> None:  # runs inside rank 0 (ray __ray_call__)
-    actor.drafter.pipeline = on
-
-
-def _concurrent_pipeline(group, prompts, args) -> None:
-    """TP=1 with all prompts in flight at once: the next Propose sent with the commit
-    (rank 0 verifies other requests while the draft actor drafts) vs sent when the
-    next step starts. Interleaved round by round; tokens/s over each batch's wall."""
+def _concurrent(group, local, prompts, args, n: int = 8) -> None:
+    """n requests at once: distributed TP=1 (rank 0's engine loop batches them) vs the
+    in-process engine stepping the same batch. Interleaved round by round; tokens/s over
+    each batch's wall time."""
     import ray
 
-    rates: dict[bool, list[float]] = {True: [], False: []}
-    n = 0
+    from benchmarks.bench_batch import run_batch
+
+    def distributed(reqs) -> float:
+        start = time.perf_counter()
+        results = ray.get([group.rank0.generate.remote(r) for r in reqs])
+        return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+
+    rates: dict[str, list[float]] = {"distributed": [], "in-process": []}
+    count = 0
     for rnd in range(args.rounds):
-        for on in (True, False):
-            ray.get(group.rank0.__ray_call__.remote(_set_pipeline, on))
+        for name in rates:
             reqs = []
-            for i, prompt in enumerate(prompts):
-                n += 1
-                reqs.append(_request(prompt, f"c{n}", "cactus", 1.0, args.max_tokens, rnd * 10 + i))
-            start = time.perf_counter()
-            results = ray.get([group.rank0.generate.remote(r) for r in reqs])
-            wall = time.perf_counter() - start
-            rates[on].append(sum(len(r.token_ids) for r in results) / wall)
-    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True))
-    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+            for i in range(n):
+                count += 1
+                prompt = prompts[i % len(prompts)]
+                reqs.append(
+                    _request(prompt, f"c{count}", "cactus", 1.0, args.max_tokens, rnd * 10 + i)
+                )
+            if name == "distributed":
+                rates[name].append(distributed(reqs))
+            else:
+                ids = [
+                    replace(
+                        r,
+                        prompt=None,
+                        prompt_token_ids=tuple(
+                            local.tokenizer.encode(r.prompt, add_special_tokens=False)
+                        ),
+                    )
+                    for r in reqs
+                ]
+                rates[name].append(run_batch(local, ids)["tokens_per_s"])
+    dist, inproc = statistics.median(rates["distributed"]), statistics.median(rates["in-process"])
     print(
-        f"\n# TP=1, {len(prompts)} concurrent cactus requests x {args.max_tokens} tokens, "
-        f"{args.rounds} rounds: next Propose sent with the commit {on:.1f} tok/s, "
-        f"sent at the next step {off:.1f} tok/s, ratio {on / off:.2f}x",
+        f"\n# {n} concurrent cactus requests x {args.max_tokens} tokens, {args.rounds} rounds: "
+        f"distributed TP=1 {dist:.1f} tok/s, in-process {inproc:.1f} tok/s, "
+        f"ratio {dist / inproc:.2f}x",
         flush=True,
     )
 
