@@ -61,6 +61,16 @@ class Limits:
     allowed_rules: tuple[str, ...] = RULES
     max_prompt_chars: int = 1_000_000
 
+    def overrides(self) -> dict:
+        """The operator's part (everything but the model's context and vocabulary): what
+        the ingress hands to the engine on rank 0, which adds the model's own."""
+        return {
+            "max_num_speculative_tokens": self.max_num_speculative_tokens,
+            "delta_ceiling": self.delta_ceiling,
+            "allowed_rules": tuple(self.allowed_rules),
+            "max_prompt_chars": self.max_prompt_chars,
+        }
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -182,7 +182,11 @@ class CactusIngress:
             kv_budget_tokens=c.batching.kv_budget_tokens,
         )
         pg = ray.util.get_current_placement_group()
-        return EngineGroup(group_config, placement_group=pg, first_bundle=1).start()
+        # Rank 0 validates against the same operator limits as this shim.
+        operator = limits_from(self.config, vocab_size=1, max_context=1).overrides()
+        return EngineGroup(
+            group_config, limits=operator, placement_group=pg, first_bundle=1
+        ).start()
 
     # ---- the shim's duties ----------------------------------------------------------
 

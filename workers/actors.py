@@ -145,6 +145,12 @@ class VerifierRank:
         from workers.local import LocalVerifier
         from workers.tp_verifier import MirroredRunner
 
+        if isinstance(limits, dict):  # the operator's limits; the model adds its own
+            from cactus.params import Limits
+
+            limits = Limits(
+                max_context=self.runner.max_context, vocab_size=self.runner.vocab_size, **limits
+            )
         self.mirror = MirroredRunner(self.runner, self.world_size)
         self.drafter = GrpcDrafter(
             draft_address, vocab_size=self.runner.vocab_size, timeout_s=timeout_s

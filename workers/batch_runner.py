@@ -52,6 +52,7 @@ class _Step:
     slots: torch.Tensor  # [N] long: its slot (= its position)
     valid: torch.Tensor  # [B, Q] bool: query t of row b is a real token
     kv_len: int  # slots [0, kv_len) are visible to this forward
+    run: tuple[int, int] | None = None  # B == 1: (first slot, count), written as a slice
 
 
 class _RowLayer(CacheLayerMixin):
@@ -77,9 +78,13 @@ class _RowLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         step = self._owner.step
-        # Only real tokens are written: [B, Q, H, D][valid] -> [N, H, D] at (row, :, slot).
-        self.keys[step.rows, :, step.slots] = key_states.transpose(1, 2)[step.valid]
-        self.values[step.rows, :, step.slots] = value_states.transpose(1, 2)[step.valid]
+        if step.run is not None:  # one row: a plain slice copy (the single-stream path)
+            start, n = step.run
+            self.keys[step.r0, :, start : start + n] = key_states[0, :, :n]
+            self.values[step.r0, :, start : start + n] = value_states[0, :, :n]
+        else:  # only real tokens: [B, Q, H, D][valid] -> [N, H, D] at (row, :, slot)
+            self.keys[step.rows, :, step.slots] = key_states.transpose(1, 2)[step.valid]
+            self.values[step.rows, :, step.slots] = value_states.transpose(1, 2)[step.valid]
         rows = slice(step.r0, step.r1)
         return self.keys[rows, :, : step.kv_len], self.values[rows, :, : step.kv_len]
 
@@ -317,12 +322,17 @@ class BatchRunner:
         pos = (lens[:, None] + t).clamp(max=kv_len - 1)  # [B, Q]
         valid = t[None, :] < n[:, None]  # [B, Q]
         row_of = torch.arange(r0, r1, device=self.device)[:, None].expand_as(pos)
-        step = _Step(r0, r1, row_of[valid], pos[valid], valid, kv_len)
+        run = (self._lens[r0], counts[0]) if r1 - r0 == 1 else None
+        step = _Step(r0, r1, row_of[valid], pos[valid], valid, kv_len, run)
         return step, ids, pos
 
     def _attention_mask(self, pos: torch.Tensor, kv_len: int):
         """Additive mask [B, 1, Q, kv_len] (or {layer_type: mask}): slot s visible to query
-        at position p iff s <= p (and s > p - window on sliding layers)."""
+        at position p iff s <= p (and s > p - window on sliding layers). None when one query
+        of one row sees every slot (a decode step of a single stream): the model's own
+        causal mask then lets SDPA skip masking."""
+        if pos.shape == (1, 1) and all(w is None for w in self._windows.values()):
+            return None
         slots = torch.arange(kv_len, device=pos.device)  # [kv]
         p = pos[:, :, None]  # [B, Q, 1]
         dtype = self.model.dtype

@@ -140,7 +140,7 @@ class LocalVerifier:
     @property
     def max_reserve_tokens(self) -> int:
         """The largest reservation one request may ever get (it may wait for it)."""
-        return min(self.runner.kv_budget_tokens, self.runner.max_context + MAX_DRAFT_TOKENS)
+        return min(self.runner.kv_budget_tokens, self.runner.max_context)
 
     def fits(self, reserve_tokens: int) -> bool:
         return self.runner.fits(reserve_tokens)
