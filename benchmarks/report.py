@@ -47,8 +47,12 @@ def _plots(path: Path, quality, load) -> list[str]:
             ax.legend()
             save(fig, suffix)
     for metric, label, suffix in (
-        ("compile_rate", "compile rate", "frontier-compile"),
-        ("nll", "verifier NLL / token (lower is better)", "frontier-nll"),
+        (
+            ("compile_rate", "compile rate", "frontier-compile"),
+            ("nll", "verifier NLL / token (lower is better)", "frontier-nll"),
+        )
+        if quality
+        else ()
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in quality:
@@ -99,11 +103,13 @@ def _quality_table(quality) -> list[str]:
 
 def _load_table(load) -> list[str]:
     rows = [
-        "| clients | rule | tokens/s | requests | errors | TTFT p50 / p99 (ms) "
+        "| clients | rule | tokens/s | vs 1 client | requests | errors | TTFT p50 / p99 (ms) "
         "| ITL p50 / p99 (ms) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    one = {x["rule"]: x["tokens_per_s"] for x in load if x["clients"] == 1}
     for x in sorted(load, key=lambda x: (x["clients"], x["rule"])):
+        ratio = f"{x['tokens_per_s'] / one[x['rule']]:.2f}x" if one.get(x["rule"]) else "-"
 
         def ms(v):
             return (
@@ -111,7 +117,7 @@ def _load_table(load) -> list[str]:
             )
 
         rows.append(
-            f"| {x['clients']} | {x['rule']} | {x['tokens_per_s']:.1f} | "
+            f"| {x['clients']} | {x['rule']} | {x['tokens_per_s']:.1f} | {ratio} | "
             f"{x['requests']} | {x['errors']} | {ms(x['ttft_p50'])} / "
             f"{ms(x['ttft_p99'])} | {ms(x['itl_p50'])} / {ms(x['itl_p99'])} |"
         )
@@ -119,14 +125,25 @@ def _load_table(load) -> list[str]:
 
 
 def write_report(
-    path: Path, *, mode, machine, micro, tasks, quality, load, seconds, settings
+    path: Path,
+    *,
+    mode,
+    machine,
+    micro,
+    tasks,
+    quality,
+    load,
+    seconds,
+    settings,
+    extra_plots=(),
+    command="",
 ) -> None:
-    plots = _plots(path, quality, load)
+    plots = [*extra_plots, *_plots(path, quality, load)]
     lines = [
         f"# Cactus benchmark report ({mode})",
         "",
         f"Machine: {machine}. Wall time {seconds / 60:.1f} min. Command: "
-        f"`python -m benchmarks.run{'' if mode == 'full' else ' --' + mode}`. "
+        f"`python -m benchmarks.run{' ' + command if command else ''}`. "
         "Generated; do not edit by hand.",
         "",
         "## 1. Micro-benchmarks",
@@ -144,7 +161,7 @@ def write_report(
         "negative log-likelihood of the generated tokens. nats/token: divergence_nats "
         "per generated token.",
         "",
-        *_quality_table(quality),
+        *(_quality_table(quality) if quality else ["(skipped)"]),
         "",
         "## 3. Serving load",
         "",

@@ -1,11 +1,12 @@
 """`make bench`: what Cactus buys and what it costs, in one report with plots.
 
     python -m benchmarks.run [--quick | --tiny] [--out benchmarks/results]
-                             [--skip-micro] [--skip-load]
+                             [--skip-micro] [--skip-quality] [--skip-load]
 
 Writes benchmarks/results/<date>-<host>.md and PNG plots beside it (regenerated data,
 never hand-edited). Phases:
-  1. micro-benchmarks: kernels, engine acceptance, distributed (their own tables)
+  1. micro-benchmarks: kernels, engine acceptance, distributed, the batch sweep on the
+     embedded pair and on a Qwen3-shaped pair with a 151,936-token vocabulary
   2. quality vs speed on held-out function completions (benchmarks/quality.py)
   3. serving load: 1/4/8/16 concurrent streaming gRPC clients (benchmarks/load.py)
   4. plots
@@ -54,9 +55,11 @@ class Progress:
         )
 
 
-def micro(mode: str) -> str:
-    """Run the earlier benchmarks as they are and collect their tables."""
+def micro(mode: str, stem: Path) -> tuple[str, list[str]]:
+    """Run the micro-benchmarks as they are and collect their tables (and the batch
+    sweep's plots, written beside the report)."""
     quick = ["--quick"] if mode != "full" else []
+    plots = [Path(f"{stem}-batch-embedded.png"), Path(f"{stem}-batch-qwen3.png")]
     commands = [
         [sys.executable, "-m", "benchmarks.bench_kernels", *quick],
         [
@@ -66,21 +69,37 @@ def micro(mode: str) -> str:
             *(["--prompts", "8", "--tokens", "32"] if mode != "full" else []),
         ],
         [sys.executable, "-m", "benchmarks.bench_distributed", *quick],
+        [sys.executable, "-m", "benchmarks.bench_batch", *quick, "--plot", str(plots[0])],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_batch",
+            "--pair",
+            "qwen3",
+            "--batches",
+            "1,4,16,32",
+            "--max-tokens",
+            "32",
+            *quick,
+            "--plot",
+            str(plots[1]),
+        ],
     ]
     out = []
     progress = Progress("micro", len(commands))
     for cmd in commands:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
         table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
+        shown = ["python", *[str(Path(c).name) if c.endswith(".png") else c for c in cmd[1:]]]
         out.append(
-            f"`{' '.join(['python', *cmd[1:]])}`\n\n"
+            f"`{' '.join(shown)}`\n\n"
             + "\n".join(
                 table
                 or [f"(failed, exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]})"]
             )
         )
         progress()
-    return "\n\n".join(out)
+    return "\n\n".join(out), [p.name for p in plots if p.exists()]
 
 
 def quality_phase(mode: str):
@@ -121,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-load", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     from cactus.cli import RAY_ENV
@@ -130,16 +150,16 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     started = time.monotonic()
-    micro_text = "" if args.skip_micro else micro(mode)
-    tasks, quality = quality_phase(mode)
-    load = [] if args.skip_load else load_phase(mode)
-
-    from benchmarks.report import write_report
-
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     host = socket.gethostname().split(".")[0] or "host"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{stamp}-{host}{'' if mode == 'full' else '-' + mode}.md"
+    micro_text, micro_plots = ("", []) if args.skip_micro else micro(mode, path.with_suffix(""))
+    tasks, quality = ([], []) if args.skip_quality else quality_phase(mode)
+    load = [] if args.skip_load else load_phase(mode)
+
+    from benchmarks.report import write_report
+
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     write_report(
         path,
@@ -151,6 +171,8 @@ def main(argv=None) -> int:
         load=load,
         seconds=time.monotonic() - started,
         settings=SETTINGS[mode],
+        extra_plots=micro_plots,
+        command=" ".join(sys.argv[1:]),
     )
     print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return 0

@@ -60,31 +60,40 @@ def processed_probs(
     width = int(host_k.max()) if bool(host_k_on.all()) else vocab
 
     greedy = temp <= 0  # [B]
-    safe_temp = torch.where(greedy, torch.ones_like(temp), temp)
-    scaled = flat / safe_temp[:, None, None]
-    probs = (
-        _truncate(scaled, top_k=k, top_p=p, width=width)
-        if truncate
-        else torch.softmax(scaled, dim=-1)
-    )
-    one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
-    probs = torch.where(greedy[:, None, None], one_hot, probs)
+    safe_temp = torch.where(greedy, torch.ones_like(temp), temp)[:, None, None]
+    if truncate:
+        probs = _truncate(flat, safe_temp, top_k=k, top_p=p, width=width)
+    else:
+        probs = torch.softmax(flat / safe_temp, dim=-1)
+    # Two more [B, R, V] passes only when some row is greedy (decided on the host copy).
+    if bool((torch.as_tensor(temperature).cpu() <= 0).any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs.reshape(logits.shape)
 
 
 def _truncate(
-    scaled: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor, width: int
-) -> torch.Tensor:
-    """Softmax with top-k then top-p masking. scaled: [B, R, V] -> probs [B, R, V].
+    logits: torch.Tensor,  # [B, R, V]
+    temperature: torch.Tensor,  # [B, 1, 1], > 0
+    *,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    width: int,
+) -> torch.Tensor:  # [B, R, V]
+    """Softmax at a temperature with top-k then top-p masking.
 
-    Only the `width` largest logits per row are candidates (width >= every row's k)."""
-    vocab = scaled.shape[-1]
+    Only the `width` largest logits per row are candidates (width >= every row's k).
+    Dividing by a positive temperature keeps the order, so with width < V the division
+    touches only the candidates, and the rest of the row is never read again."""
+    vocab = logits.shape[-1]
     k_on = (top_k > 0) & (top_k < vocab)  # [B]
     if width < vocab:
-        sorted_logits, order = scaled.topk(width, dim=-1)  # [B, R, width], descending
+        sorted_logits, order = logits.topk(width, dim=-1)  # [B, R, width], descending
+        sorted_logits = sorted_logits / temperature
     else:
+        scaled = logits / temperature
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, R, V]
-    rank = torch.arange(width, device=scaled.device)
+    rank = torch.arange(width, device=logits.device)
     k_eff = torch.where(k_on, top_k, torch.full_like(top_k, vocab))
     keep = rank[None, None, :] < k_eff[:, None, None]
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
@@ -94,6 +103,9 @@ def _truncate(
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     keep_p = (mass_before < top_p[:, None, None]) | (rank[None, None, :] == 0)
     sorted_logits = sorted_logits.masked_fill(~keep_p, float("-inf"))
+    if width < vocab:  # only the candidates can have mass: softmax them, scatter into zeros
+        kept = torch.softmax(sorted_logits, dim=-1)  # [B, R, width]
+        return torch.zeros_like(logits).scatter_(-1, order, kept)
     masked = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.softmax(masked, dim=-1)
 

@@ -383,6 +383,22 @@ class BatchRunner:
         for row, toks in zip(rows, token_ids, strict=True):
             self._lens[row] += len(toks)
         self._cache.longest = max(self._lens)
-        sel = keep[:, cols]  # [B, C]: which kept columns belong to each row
-        chunks = out.logits[:, : len(cols)][sel].float().split(sel.sum(1).tolist())
-        return [chunks[row - step.r0] for row in rows]
+        return self._row_logits(out.logits, rows, step, cols.tolist(), logits)
+
+    def _row_logits(self, out, rows, step: _Step, cols: list[int], logits: str):
+        """Per-row logits as views of the model's output (no copy for float32): a row's
+        real tokens are the first n_i positions, so "all" is out[b, :n_i] (cols is then
+        0..Q-1) and "last" is the column holding position n_i - 1."""
+        counts = step.valid.sum(1).tolist()  # [B]
+        where = {c: j for j, c in enumerate(cols)}
+        result = []
+        for row in rows:
+            b, n = row - step.r0, counts[row - step.r0]
+            if logits == "all":
+                result.append(out[b, :n].float())
+            elif logits == "last" and n:
+                j = where[n - 1]
+                result.append(out[b, j : j + 1].float())
+            else:
+                result.append(out.new_empty(0, out.shape[-1], dtype=torch.float32))
+        return result

@@ -32,7 +32,7 @@ def test_tiny_bench_writes_a_report_with_plots(tmp_path):
     ]
     assert len(rows) == 2
     load_rows = re.findall(
-        r"^\| 1 \| (cactus|none) \| ([\d.]+) \| (\d+) \| (\d+) \|", text, re.MULTILINE
+        r"^\| 1 \| (cactus|none) \| ([\d.]+) \| 1.00x \| (\d+) \| (\d+) \|", text, re.MULTILINE
     )
     assert {r[0] for r in load_rows} == {"cactus", "none"}
     assert all(float(r[1]) > 0 and int(r[2]) > 0 and r[3] == "0" for r in load_rows)
@@ -44,3 +44,22 @@ def test_tiny_bench_writes_a_report_with_plots(tmp_path):
         "load.png",
         "speed-vs-delta.png",
     ]
+
+
+def test_batch_sweep_prints_every_rule_and_batch_size():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_batch", "--batches", "1,2", "--max-tokens", "6"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = re.findall(
+        r"^\| (none|sps|cactus|cactus_exact) \| (\d+) \| ([\d.]+) \|", proc.stdout, re.M
+    )
+    assert {(r[0], r[1]) for r in rows} == {
+        (rule, b) for rule in ("none", "sps", "cactus", "cactus_exact") for b in ("1", "2")
+    }
+    assert all(float(r[2]) > 0 for r in rows)
+    assert "# plain decoding overtakes" in proc.stdout and "peak resident" in proc.stdout

@@ -22,6 +22,8 @@ def test_default_points_at_the_embedded_models():
     assert Path(config.model_path("verifier")).joinpath("config.json").exists()
     assert Path(config.model_path("draft")).joinpath("config.json").exists()
     assert config.grpc_port == 9000 and config.models.device == "cpu"
+    # Every request a replica admits can share one batch.
+    assert config.limits.max_ongoing_requests <= config.batching.max_num_seqs
 
 
 def test_cluster_example_is_multi_node():
@@ -52,6 +54,10 @@ def test_cluster_example_is_multi_node():
         ({"grpc_port": 70000}, "grpc_port"),
         ({"models": {"dtype": "int8"}}, "models.dtype"),
         ({"sampling": {"default_temperature": float("nan")}}, "sampling.default_temperature"),
+        ({"batching": {"max_num_seqs": 0}}, "batching.max_num_seqs"),
+        ({"batching": {"max_num_batched_tokens": -1}}, "batching.max_num_batched_tokens"),
+        ({"batching": {"kv_budget_tokens": 10}}, "batching.kv_budget_tokens"),
+        ({"batching": {"max_num_seq": 4}}, "batching.max_num_seq"),
     ],
 )
 def test_bad_config_names_the_key_path(raw, path):
