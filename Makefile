@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed generate models clean
+.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch generate models clean
 
 setup: $(STAMP) protos
 
@@ -54,6 +54,10 @@ bench-kernels: setup
 
 bench-distributed: setup
 	$(PY) -m benchmarks.bench_distributed
+
+# Batched engine: tokens/s at B = 1..32 per rule, step split, crossover, memory.
+bench-batch: setup
+	$(PY) -m benchmarks.bench_batch
 
 # Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min.
 bench: setup

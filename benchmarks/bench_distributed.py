@@ -143,23 +143,29 @@ def _measure(runners, prompts, args) -> dict:
     return samples
 
 
+def _set_pipeline(actor, on: bool) -> None:  # runs inside rank 0 (ray __ray_call__)
+    actor.drafter.pipeline = on
+
+
 def _concurrent(group, local, prompts, args, n: int = 8) -> None:
-    """n requests at once: distributed TP=1 (rank 0's engine loop batches them) vs the
-    in-process engine stepping the same batch. Interleaved round by round; tokens/s over
-    each batch's wall time."""
+    """n requests at once: distributed TP=1 (rank 0's engine loop batches them), with and
+    without the next ProposeBatch sent at commit time, vs the in-process engine stepping
+    the same batch. Interleaved round by round; tokens/s over each batch's wall time."""
     import ray
 
     from benchmarks.bench_batch import run_batch
 
-    def distributed(reqs) -> float:
+    def distributed(reqs, pipeline: bool) -> float:
+        ray.get(group.rank0.__ray_call__.remote(_set_pipeline, pipeline))
         start = time.perf_counter()
         results = ray.get([group.rank0.generate.remote(r) for r in reqs])
         return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
 
-    rates: dict[str, list[float]] = {"distributed": [], "in-process": []}
+    names = ("distributed", "distributed, no prefetch", "in-process")
+    rates: dict[str, list[float]] = {name: [] for name in names}
     count = 0
     for rnd in range(args.rounds):
-        for name in rates:
+        for name in names:
             reqs = []
             for i in range(n):
                 count += 1
@@ -167,9 +173,7 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
                 reqs.append(
                     _request(prompt, f"c{count}", "cactus", 1.0, args.max_tokens, rnd * 10 + i)
                 )
-            if name == "distributed":
-                rates[name].append(distributed(reqs))
-            else:
+            if name == "in-process":
                 ids = [
                     replace(
                         r,
@@ -181,11 +185,15 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
                     for r in reqs
                 ]
                 rates[name].append(run_batch(local, ids)["tokens_per_s"])
-    dist, inproc = statistics.median(rates["distributed"]), statistics.median(rates["in-process"])
+            else:
+                rates[name].append(distributed(reqs, pipeline=name == "distributed"))
+    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True))
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    base = med["in-process"]
     print(
-        f"\n# {n} concurrent cactus requests x {args.max_tokens} tokens, {args.rounds} rounds: "
-        f"distributed TP=1 {dist:.1f} tok/s, in-process {inproc:.1f} tok/s, "
-        f"ratio {dist / inproc:.2f}x",
+        f"\n# {n} concurrent cactus requests x {args.max_tokens} tokens, {args.rounds} rounds "
+        "(median tok/s): "
+        + ", ".join(f"{name} {v:.1f} ({v / base:.2f}x)" for name, v in med.items()),
         flush=True,
     )
 

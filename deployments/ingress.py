@@ -8,9 +8,9 @@ Duties, and nothing else:
   4. map every other failure to a status with scrubbed details (no stack traces)
   5. cancel the engine's work when the client goes away; record metrics
 
-The engine is injected (any object with agenerate / astream / cancel / ahealthy /
-model_info), as Ray Serve LLM does, so the shim can be tested with a fake engine beside
-the real end-to-end tests. In a real replica it is an EngineGroup (draft actor +
+The engine is injected (the `workers.interfaces.ServingEngine` protocol: agenerate /
+astream / cancel / ahealthy / model_info), as Ray Serve LLM does, so the shim can be
+tested with a fake engine beside the real end-to-end tests. In a real replica it is an EngineGroup (draft actor +
 verifier ranks) started inside the replica's own placement-group bundles.
 """
 

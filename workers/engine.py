@@ -222,6 +222,7 @@ class SpeculativeEngine:
         outputs = result.output_token_ids.tolist()
         accepted = result.num_accepted.tolist()
         divergence = result.divergence_nats.tolist()
+        emitted = []
         for i, state in enumerate(running):  # commit, per row
             tokens = outputs[i][: accepted[i] + 1]
             self._commit(state, ks[i], blocks.get(state.id), accepted[i], tokens[-1])
@@ -233,7 +234,18 @@ class SpeculativeEngine:
                 st.verify_s + t2 - t1,
                 st.kernel_s + t3 - t2,
             )
-            state.push(state.emit(tokens))
+            emitted.append(state.emit(tokens))
+        # Every row's next K is known now: a remote drafter drafts the next step while
+        # this side hands out chunks, prefills new prompts and admits requests.
+        self.drafter.prefetch(
+            [
+                ProposeRow(s.id, k)
+                for s in running
+                if s.finish_reason is None and (k := s.num_draft_tokens()) > 0
+            ]
+        )
+        for state, tokens in zip(running, emitted, strict=True):  # emit
+            state.push(tokens)
             if state.finish_reason is not None:
                 self._close(state)
         t4 = time.perf_counter()

@@ -18,6 +18,14 @@ from collections.abc import Callable, Iterator
 _END = object()
 
 
+def _final_only(put: Callable) -> Callable:
+    def sink(item) -> None:
+        if isinstance(item, BaseException) or item.result is not None:
+            put(item)
+
+    return sink
+
+
 class EngineLoopStopped(RuntimeError):
     """The loop was shut down before the request finished."""
 
@@ -33,18 +41,22 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, request, *, cancelled: Callable[[], bool] | None = None) -> Iterator:
+    def submit(
+        self, request, *, cancelled: Callable[[], bool] | None = None, final_only: bool = False
+    ) -> Iterator:
         """Iterate the request's GenerationChunk objects; the engine's exceptions
-        (invalid request, cancellation, ...) are raised here."""
+        (invalid request, cancellation, ...) are raised here. final_only: only the last
+        chunk (a unary caller then is not woken at every step)."""
         if self._stopped.is_set():
             raise EngineLoopStopped("the engine loop is shut down")
         out: queue.SimpleQueue = queue.SimpleQueue()
-        self._inbox.put((request, cancelled, out))
+        sink = _final_only(out.put) if final_only else out.put
+        self._inbox.put((request, cancelled, sink))
         return self._drain(out)
 
     def generate(self, request, *, cancelled: Callable[[], bool] | None = None):
         last = None
-        for last in self.submit(request, cancelled=cancelled):  # noqa: B007
+        for last in self.submit(request, cancelled=cancelled, final_only=True):  # noqa: B007
             pass
         return last.result
 
@@ -63,11 +75,11 @@ class EngineLoop:
         try:
             item = self._inbox.get(block=not self.engine.has_work())
             while item is not _END:
-                request, cancelled, out = item
+                request, cancelled, sink = item
                 try:
-                    self.engine.add_request(request, out.put, cancelled=cancelled)
+                    self.engine.add_request(request, sink, cancelled=cancelled)
                 except BaseException as err:  # a bad request fails alone
-                    out.put(err)
+                    sink(err)
                 item = self._inbox.get(block=False)
         except queue.Empty:
             pass
@@ -91,7 +103,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item is not _END:
-                item[2].put(EngineLoopStopped("the engine loop was shut down"))
+                item[2](EngineLoopStopped("the engine loop was shut down"))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stopped.set()

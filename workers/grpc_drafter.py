@@ -74,6 +74,8 @@ class GrpcDrafter:
         self._sessions: dict[str, _ClientSession] = {}
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
+        self.pipeline = True  # send the next step's ProposeBatch at commit time
+        self._prefetch: tuple | None = None  # (rows, future, sent_at): a batch on its way
 
     def _call(self, method, msg):
         """A blocking call; transport failures mapped to the engine's errors."""
@@ -118,14 +120,64 @@ class GrpcDrafter:
         session.unsent = []  # sent, whatever the outcome: a failure ends drafting
         return request
 
+    def prefetch(self, rows: Sequence[ProposeRow]) -> None:
+        """Send the next step's ProposeBatch now (the engine knows every row's next K
+        once it has committed): the draft actor drafts while this side emits, prefills
+        new prompts and admits requests. `propose` then takes the blocks."""
+        if not self.pipeline or self._prefetch is not None:
+            return
+        sent, msgs = [], []
+        for row in rows:
+            session = self._sessions.get(row.request_id)
+            if session is None or session.opening is not None:
+                continue  # not open yet: proposed at the next step, blocking
+            msgs.append(self._propose_request(row.request_id, session, row.k))
+            sent.append(row)
+        if msgs:
+            future = self._stub.ProposeBatch.future(
+                pb.ProposeBatchRequest(rows=msgs), timeout=self.timeout_s
+            )
+            self._prefetch = (sent, future, time.perf_counter())
+
+    def _take_prefetched(self, rows: Sequence[ProposeRow], out: list) -> None:
+        """Fill `out` with the prefetched blocks of `rows`. A prefetched row asked for
+        another K gets StaleBlockError (the engine promised K: it then drafts no more)."""
+        sent, future, sent_at = self._prefetch
+        self._prefetch = None
+        try:
+            reply = self._result(future)
+        except (StaleBlockError, WorkerUnavailableError) as err:
+            reply, failure = None, err
+        self.rpc_s += time.perf_counter() - sent_at
+        if reply is not None:
+            self.remote_draft_s += reply.draft_s
+            if len(reply.rows) != len(sent):
+                reply, failure = None, WorkerUnavailableError("draft actor: short reply")
+        where = {row.request_id: i for i, row in enumerate(sent)}
+        for i, row in enumerate(rows):
+            j = where.get(row.request_id)
+            if j is None or row.request_id not in self._sessions:
+                continue
+            if reply is None:
+                out[i] = failure
+            elif sent[j].k != row.k:
+                out[i] = StaleBlockError(f"{row.request_id}: prefetched {sent[j].k}, asked {row.k}")
+            else:
+                out[i] = self._row(row, reply.rows[j])
+
     def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
-        """One ProposeBatch for every row; each row's block is checked on its own. A
-        transport failure raises WorkerUnavailableError (every row goes on without
-        drafts); a row the draft side refused gets its own error."""
+        """Every row's block: the prefetched ones, then one ProposeBatch for the rest;
+        each row's block is checked on its own. A transport failure raises
+        WorkerUnavailableError (those rows go on without drafts); a row the draft side
+        refused gets its own error."""
         out: list = [None] * len(rows)
+        if self._prefetch is not None:
+            self._take_prefetched(rows, out)
         sent: list[int] = []
         msgs = []
         for i, row in enumerate(rows):
+            if out[i] is not None:
+                continue
             session = self._sessions.get(row.request_id)
             try:
                 if session is None:
@@ -139,7 +191,12 @@ class GrpcDrafter:
         if not msgs:
             return out
         start = time.perf_counter()
-        reply = self._call(self._stub.ProposeBatch, pb.ProposeBatchRequest(rows=msgs))
+        try:
+            reply = self._call(self._stub.ProposeBatch, pb.ProposeBatchRequest(rows=msgs))
+        except WorkerUnavailableError as err:
+            for i in sent:
+                out[i] = err
+            return out
         self.rpc_s += time.perf_counter() - start
         self.remote_draft_s += reply.draft_s
         if len(reply.rows) != len(msgs):

@@ -53,6 +53,10 @@ class Drafter(Protocol):
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
         """Keep the first num_accepted drafted tokens, then next_token; drop the rest."""
 
+    def prefetch(self, rows: Sequence[ProposeRow]) -> None:
+        """The engine's promise: the next propose asks for these rows with these K (a
+        remote drafter may start drafting them now; an in-process one ignores it)."""
+
     def release(self, request_id: str) -> None:
         """Free the request's cache (idempotent)."""
 

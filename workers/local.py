@@ -121,6 +121,9 @@ class LocalDrafter:
         req.committed = epoch + num_accepted + 1
         req.drafted = []
 
+    def prefetch(self, rows: Sequence[ProposeRow]) -> None:
+        """Nothing to overlap in one process: drafting happens at propose."""
+
     def release(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
         self.runner.release(request_id)
