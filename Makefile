@@ -77,7 +77,7 @@ stop:
 
 PROMPT ?= def fibonacci(n):
 generate: setup
-	$(PY) -m cactus.cli generate --prompt "$(PROMPT)" --stream
+	$(PY) -m client.cli generate --prompt "$(PROMPT)" --stream
 
 # Retrain the embedded draft/verifier pair (about an hour on 2 cores; progress printed).
 models: setup

@@ -23,7 +23,7 @@ from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 
 
 def run(rules, n_prompts: int, tokens: int) -> None:
-    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER
+    from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
     from models.measure import heldout_stream, prompts
     from workers.local import local_engine
 

@@ -226,7 +226,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER
+    from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
     from workers.local import local_engine
 
     torch.set_num_threads(args.threads)

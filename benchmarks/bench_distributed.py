@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.prompts, args.max_tokens = 1, 2, 24
-    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER, RAY_ENV
+    from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER, RAY_ENV
 
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)

@@ -106,7 +106,7 @@ def quality_phase(mode: str):
     import torch
 
     from benchmarks.quality import Method, default_methods, evaluate, function_tasks
-    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER
+    from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
     from workers.local import local_engine
 
     torch.set_num_threads(2)
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
-    from cactus.cli import RAY_ENV
+    from cactus.environment import RAY_ENV
 
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)

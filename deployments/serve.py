@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from cactus.cli import RAY_ENV
+from cactus.environment import RAY_ENV
 
 PIDFILE = Path(__file__).resolve().parent.parent / ".cache" / "serve.pid"
 

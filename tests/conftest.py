@@ -40,7 +40,7 @@ def tiny_checkpoints(tmp_path_factory, tiny_tokenizer):
 
 def embedded_dirs() -> tuple[str, str]:
     """The embedded verifier and draft folders (overridable for development only)."""
-    from cactus.cli import DEFAULT_DRAFT, DEFAULT_VERIFIER
+    from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
 
     return (
         os.environ.get("CACTUS_TEST_VERIFIER", str(DEFAULT_VERIFIER)),

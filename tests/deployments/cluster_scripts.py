@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from cactus.cli import RAY_ENV
+from cactus.environment import RAY_ENV
 
 for _k, _v in RAY_ENV.items():
     os.environ.setdefault(_k, _v)

@@ -1,4 +1,7 @@
-"""`cactus` command line: generate text with speculative decoding.
+"""`cactus` command line: generate text with speculative decoding, or call a server.
+
+Lives beside the client library, apart from `cactus/` (request parameters and errors,
+which the workers import): the CLI imports workers, the client and Ray.
 
     cactus generate --prompt "def add(a, b):" [--rule cactus --delta 1 -K 4 ...]
                     [--stream] [--json] [--verifier DIR --draft DIR]
@@ -13,11 +16,8 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_VERIFIER = REPO / "models" / "verifier"
-DEFAULT_DRAFT = REPO / "models" / "draft"
+from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER, RAY_ENV
 
 
 def _generate_parser(sub) -> None:
@@ -142,14 +142,6 @@ def result_json(result) -> dict:
         },
         "stats": result.stats.as_dict(),
     }
-
-
-RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled",  # Ray 2.60's token auth breaks the serve CLI; loopback only
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind 127.0.0.1
-    "DS_ACCELERATOR": "cpu",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
 
 
 def _quiet() -> None:
