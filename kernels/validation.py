@@ -51,9 +51,7 @@ def check_shapes(
             f"target_probs: expected shape [{batch}, {k + 1}, {vocab}] (K + 1 rows, the last "
             f"is the bonus position), got {tuple(target_probs.shape)}"
         )
-    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
-        if not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating dtype, got {t.dtype}")
+    _check_floating(draft_probs, target_probs)
     return batch, k, vocab
 
 
@@ -196,9 +194,7 @@ def _check_flat_shapes(draft_token_ids, draft_probs, target_probs, counts) -> in
             f"target_probs: expected shape [{total + batch}, {vocab}] (sum of "
             f"num_draft_tokens + 1 per row), got {tuple(target_probs.shape)}"
         )
-    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
-        if not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating dtype, got {t.dtype}")
+    _check_floating(draft_probs, target_probs)
     return vocab
 
 
@@ -225,3 +221,9 @@ def _check_row_tensors(metadata: RaggedMetadata, batch: int, width: int, *, vali
         inside = (uniforms[:, :width] >= 0) & (uniforms[:, :width] < 1)
         if not bool((inside | ~used).all()):
             raise ValueError("uniforms: values must lie in [0, 1)")
+
+
+def _check_floating(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> None:
+    for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating dtype, got {t.dtype}")

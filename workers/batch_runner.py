@@ -25,11 +25,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Cache
+from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.utils import logging as hf_logging
 
-from workers.model_runner import DTYPES
+from workers.model_runner import LoadedModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 hf_logging.disable_progress_bar()
@@ -139,7 +139,7 @@ def _round_up(n: int) -> int:
     return -(-n // SLOT_ROUND) * SLOT_ROUND
 
 
-class BatchRunner:
+class BatchRunner(LoadedModel):
     """A model, its tokenizer and a row of a shared KV buffer per sequence id."""
 
     def __init__(
@@ -152,17 +152,7 @@ class BatchRunner:
         max_num_seqs: int = 32,
         kv_budget_tokens: int | None = None,
     ) -> None:
-        self.path = str(path)
-        self.device = torch.device(device)
-        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        self.config = AutoConfig.from_pretrained(self.path)
-        self.model = (
-            model
-            if model is not None
-            else AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype).to(self.device)
-        )
-        self.model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        super().__init__(path, dtype=dtype, device=device, model=model)
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         self.max_num_seqs = int(max_num_seqs)
@@ -180,19 +170,6 @@ class BatchRunner:
         self._ids: list[str] = []  # per row
         self._lens: list[int] = []  # per row: tokens in the cache
         self._reserves: list[int] = []  # per row: most tokens it may hold
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
-
-    @property
-    def max_context(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 2048))
-
-    @property
-    def eos_token_id(self) -> int | None:
-        eos = self.tokenizer.eos_token_id
-        return eos if eos is not None else getattr(self.config, "eos_token_id", None)
 
     @property
     def num_sequences(self) -> int:

@@ -40,26 +40,10 @@ from cactus.params import GenerationRequest, Limits, validate_request
 from kernels import RaggedMetadata, ragged_accept
 from workers.batching import padded_uniforms, processed_rows
 from workers.interfaces import DraftBlock, Drafter, ProposeRow, Verifier
-from workers.request import (
-    VERIFY_SEED_SALT,
-    GenerationChunk,
-    GenerationResult,
-    RequestState,
-    Sink,
-    SpecStats,
-)
+from workers.request import GenerationChunk, GenerationResult, RequestState, Sink
 from workers.scheduler import Scheduler, SchedulerConfig
 
 DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
-
-__all__ = [
-    "VERIFY_SEED_SALT",
-    "GenerationChunk",
-    "GenerationResult",
-    "SpecStats",
-    "SpeculativeEngine",
-    "StepTiming",
-]
 
 
 @dataclass

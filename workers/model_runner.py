@@ -26,8 +26,9 @@ class _Sequence:
     length: int = 0  # tokens in the cache
 
 
-class ModelRunner:
-    """A model, its tokenizer and one KV cache per sequence id."""
+class LoadedModel:
+    """A local checkpoint folder loaded through the Auto classes: the model (or one given,
+    such as a DeepSpeed AutoTP shard), its config and tokenizer. Both runners build on it."""
 
     def __init__(
         self, path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu", model=None
@@ -43,7 +44,6 @@ class ModelRunner:
         )
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self._seqs: dict[str, _Sequence] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -57,6 +57,17 @@ class ModelRunner:
     def eos_token_id(self) -> int | None:
         eos = self.tokenizer.eos_token_id
         return eos if eos is not None else getattr(self.config, "eos_token_id", None)
+
+
+class ModelRunner(LoadedModel):
+    """A model, its tokenizer and one KV cache per sequence id (the reference the batched
+    runner is tested against)."""
+
+    def __init__(
+        self, path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu", model=None
+    ) -> None:
+        super().__init__(path, dtype=dtype, device=device, model=model)
+        self._seqs: dict[str, _Sequence] = {}
 
     @property
     def num_sequences(self) -> int:

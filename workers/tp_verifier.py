@@ -72,9 +72,6 @@ class MirroredRunner:
                 self._queued.append((op, args, {}))
             return result
 
-    def fits(self, reserve_tokens: int) -> bool:
-        return self.runner.fits(reserve_tokens)
-
     def start(self, seq_id: str, reserve_tokens: int | None = None) -> None:
         self._mirror("start", seq_id, reserve_tokens)
 

@@ -14,7 +14,7 @@ from client import CactusClient
 from configs.schema import from_dict, to_dict
 from deployments.ingress import CactusIngress
 from tests.conftest import embedded_dirs
-from workers.engine import GenerationChunk, GenerationResult, SpecStats
+from workers.request import GenerationChunk, GenerationResult, SpecStats
 
 
 class FakeEngine:
