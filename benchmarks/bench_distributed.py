@@ -77,11 +77,14 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--concurrent-rounds", type=int, default=7, help="rounds of the 8-request comparison"
+    )
     parser.add_argument("--verifier", default=None)
     parser.add_argument("--draft", default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.prompts, args.max_tokens = 1, 2, 24
+        args.rounds, args.prompts, args.max_tokens, args.concurrent_rounds = 1, 2, 24, 1
     from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER, RAY_ENV
 
     for key, value in RAY_ENV.items():
@@ -164,7 +167,7 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
     names = ("distributed", "distributed, no prefetch", "in-process")
     rates: dict[str, list[float]] = {name: [] for name in names}
     count = 0
-    for rnd in range(args.rounds):
+    for rnd in range(args.concurrent_rounds):
         for name in names:
             reqs = []
             for i in range(n):
@@ -191,7 +194,8 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
     med = {name: statistics.median(v) for name, v in rates.items()}
     base = med["in-process"]
     print(
-        f"\n# {n} concurrent cactus requests x {args.max_tokens} tokens, {args.rounds} rounds "
+        f"\n# {n} concurrent cactus requests x {args.max_tokens} tokens, "
+        f"{args.concurrent_rounds} rounds "
         "(median tok/s): "
         + ", ".join(f"{name} {v:.1f} ({v / base:.2f}x)" for name, v in med.items()),
         flush=True,

@@ -28,7 +28,7 @@ from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from workers.interfaces import ProposeRow
 from workers.local import MAX_DRAFT_TOKENS, LocalDrafter
-from workers.wire import encode_block, status_code
+from workers.wire import fill_block, status_code
 
 
 @dataclass
@@ -123,7 +123,8 @@ class DraftServicer(pb_grpc.SpeculationServicer):
                 session.proposed_seq += 1
                 session.outstanding = True
                 self.blocks_proposed += 1
-                reply.rows[i].block.CopyFrom(encode_block(block, session.proposed_seq))
+                reply.rows[i].block.block_seq = session.proposed_seq
+                fill_block(reply.rows[i].block, block)
             reply.draft_s = time.perf_counter() - start
             self.batches += 1
         return reply

@@ -76,6 +76,7 @@ class GrpcDrafter:
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
         self.pipeline = True  # send the next step's ProposeBatch at commit time
         self._prefetch: tuple | None = None  # (rows, future, sent_at): a batch on its way
+        self._closing: set[grpc.Future] = set()  # Close calls not answered yet
 
     def _call(self, method, msg):
         """A blocking call; transport failures mapped to the engine's errors."""
@@ -258,14 +259,25 @@ class GrpcDrafter:
         session.unsent = []
 
     def release(self, request_id: str) -> None:
+        """Send Close without waiting: the draft actor may be drafting the next batch,
+        and a finished request must not hold up the step (a lost Close is covered by
+        the draft side's lease). Close follows Open, or Open would reopen the session."""
         session = self._sessions.pop(request_id, None)
         if session is None:
             return
-        if session.opening is not None:  # Close must follow Open, or Open would reopen
-            with contextlib.suppress(grpc.RpcError):
-                session.opening.result()
-        with contextlib.suppress(grpc.RpcError):  # else the draft side's lease frees it
-            self._stub.Close(pb.CloseSession(request_id=request_id), timeout=self.timeout_s)
+        msg = pb.CloseSession(request_id=request_id)
+
+        def send(_opened=None) -> None:
+            with contextlib.suppress(Exception):  # a closed channel: the lease frees it
+                # Held until answered: grpc cancels a call whose future is collected.
+                call = self._stub.Close.future(msg, timeout=self.timeout_s)
+                self._closing.add(call)
+                call.add_done_callback(self._closing.discard)
+
+        if session.opening is not None:
+            session.opening.add_done_callback(send)
+        else:
+            send()
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())

@@ -27,24 +27,28 @@ def status_code(value: int) -> grpc.StatusCode:
 
 
 def encode_block(block: DraftBlock, block_seq: int) -> pb.DraftBlock:
-    probs = block.probs.detach().to("cpu", torch.float32).contiguous()  # [K, V]
-    k, vocab = probs.shape
-    msg = pb.DraftBlock(
-        request_id=block.request_id,
-        epoch=block.epoch,
-        block_seq=block_seq,
-        token_ids=list(block.token_ids),
-        vocab_size=vocab,
-    )
-    nonzero = probs > 0
-    if int(nonzero.sum()) <= SPARSE_MAX_FILL * k * vocab:
-        rows, cols = nonzero.nonzero(as_tuple=True)
-        msg.sparse.row_lengths.extend(nonzero.sum(-1).tolist())
-        msg.sparse.ids_int32_le = cols.to(torch.int32).numpy().astype("<i4").tobytes()
-        msg.sparse.probs_float32_le = probs[rows, cols].numpy().astype("<f4").tobytes()
-    else:
-        msg.dense.float32_le = probs.numpy().astype("<f4").tobytes()
+    msg = pb.DraftBlock(block_seq=block_seq)
+    fill_block(msg, block)
     return msg
+
+
+def fill_block(msg: pb.DraftBlock, block: DraftBlock) -> None:
+    """Write `block` into `msg` (a field of the reply, so nothing is copied twice).
+    numpy rather than torch ops: a dozen small ops per row cost ~5x less there."""
+    probs = block.probs.detach().to("cpu", torch.float32).numpy()  # [K, V]
+    k, vocab = probs.shape
+    msg.request_id = block.request_id
+    msg.epoch = block.epoch
+    msg.token_ids.extend(block.token_ids)
+    msg.vocab_size = vocab
+    flat = np.flatnonzero(probs > 0)  # (np.nonzero on the 2-D mask is 10x slower)
+    if flat.size <= SPARSE_MAX_FILL * k * vocab:
+        rows, cols = np.divmod(flat, vocab)
+        msg.sparse.row_lengths.extend(np.bincount(rows, minlength=k).tolist())
+        msg.sparse.ids_int32_le = cols.astype("<i4").tobytes()
+        msg.sparse.probs_float32_le = probs.reshape(-1)[flat].astype("<f4").tobytes()
+    else:
+        msg.dense.float32_le = probs.astype("<f4", copy=False).tobytes()
 
 
 def decode_block(
@@ -67,31 +71,34 @@ def decode_block(
         )
     if any(not 0 <= t < vocab for t in ids):
         raise StaleBlockError(f"{expect_request}: drafted token id outside [0, {vocab})")
-    probs = _decode_probs(msg, k, vocab)
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-        raise StaleBlockError(f"{expect_request}: draft probabilities not finite/non-negative")
-    return DraftBlock(msg.request_id, msg.epoch, tuple(ids), probs)
+    return DraftBlock(msg.request_id, msg.epoch, tuple(ids), _decode_probs(msg, k, vocab))
 
 
 def _decode_probs(msg: pb.DraftBlock, k: int, vocab: int) -> torch.Tensor:
+    """The [K, V] probabilities; only the values on the wire are checked (finite and
+    non-negative), the zeros a sparse block leaves out need no check."""
     which = msg.WhichOneof("probs")
     if which == "dense":
-        data = np.frombuffer(msg.dense.float32_le, dtype="<f4")
-        if data.size != k * vocab:
-            raise StaleBlockError(f"{msg.request_id}: dense probs of {data.size} values")
-        return torch.from_numpy(data.astype(np.float32).reshape(k, vocab))
+        vals = np.frombuffer(msg.dense.float32_le, dtype="<f4")
+        if vals.size != k * vocab:
+            raise StaleBlockError(f"{msg.request_id}: dense probs of {vals.size} values")
+        _check_values(msg.request_id, vals)
+        return torch.from_numpy(vals.astype(np.float32).reshape(k, vocab))
     if which == "sparse":
-        lengths = list(msg.sparse.row_lengths)
+        lengths = np.asarray(msg.sparse.row_lengths, dtype=np.int64)
         ids = np.frombuffer(msg.sparse.ids_int32_le, dtype="<i4")
         vals = np.frombuffer(msg.sparse.probs_float32_le, dtype="<f4")
-        if len(lengths) != k or sum(lengths) != ids.size or ids.size != vals.size:
+        if lengths.size != k or int(lengths.sum()) != ids.size or ids.size != vals.size:
             raise StaleBlockError(f"{msg.request_id}: sparse probs with inconsistent sizes")
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise StaleBlockError(f"{msg.request_id}: sparse prob id outside [0, {vocab})")
-        probs = torch.zeros(k, vocab, dtype=torch.float32)
-        rows = torch.repeat_interleave(torch.arange(k), torch.tensor(lengths, dtype=torch.long))
-        probs[rows, torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(
-            vals.astype(np.float32)
-        )
-        return probs
+        _check_values(msg.request_id, vals)
+        probs = np.zeros((k, vocab), dtype=np.float32)
+        probs[np.repeat(np.arange(k), lengths), ids] = vals
+        return torch.from_numpy(probs)
     raise StaleBlockError(f"{msg.request_id}: block without probabilities")
+
+
+def _check_values(request_id: str, vals: np.ndarray) -> None:
+    if not np.isfinite(vals).all() or (vals < 0).any():
+        raise StaleBlockError(f"{request_id}: draft probabilities not finite/non-negative")
