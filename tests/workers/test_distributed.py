@@ -8,7 +8,6 @@ import time
 from dataclasses import replace
 
 import grpc
-
 import pytest
 import ray
 import torch
