@@ -26,3 +26,64 @@ class StaleBlockError(CactusError):
 
 class WorkerUnavailableError(CactusError):
     """A draft actor or verifier rank is down or draining."""
+
+
+class EngineFailedError(WorkerUnavailableError):
+    """A verifier rank died or the tensor-parallel group broke: the engine must be torn
+    down and rebuilt (workers/supervisor.py); its requests are resumed on the new one."""
+
+
+# Ray's exceptions for an actor (or its node, or its owner) that is gone.
+_RAY_DEATHS = frozenset(
+    {
+        "RayActorError",
+        "ActorDiedError",
+        "ActorUnavailableError",
+        "ActorUnschedulableError",
+        "WorkerCrashedError",
+        "NodeDiedError",
+        "OwnerDiedError",
+        "ObjectLostError",
+    }
+)
+_TIMEOUTS = frozenset({"GetTimeoutError", "TimeoutError"})
+# Collective failures as gloo / NCCL / torch.distributed word them.
+_COLLECTIVE_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "distbackenderror",
+    "process group",
+)
+
+
+def unwrap(err: BaseException) -> BaseException:
+    """A RayTaskError wraps the remote exception (as .cause); get the original back."""
+    cause = getattr(err, "cause", None)
+    return unwrap(cause) if isinstance(cause, BaseException) and cause is not err else err
+
+
+def is_engine_failure(err: BaseException) -> bool:
+    """The engine itself is gone or broken (a rank died, the TP group failed): rebuild
+    it and resume its requests. The one place that knows what those errors look like."""
+    err = unwrap(err)
+    if isinstance(err, EngineFailedError) or type(err).__name__ in _RAY_DEATHS:
+        return True
+    if isinstance(err, RuntimeError):
+        text = f"{type(err).__name__} {err}".lower()
+        return any(marker in text for marker in _COLLECTIVE_MARKERS)
+    return False
+
+
+def is_unavailable(err: BaseException) -> bool:
+    """Failures the client should retry (gRPC UNAVAILABLE): engine failures, a worker
+    that is down or draining, timeouts talking to one. Everything else unexpected is a
+    bug (INTERNAL)."""
+    err = unwrap(err)
+    return (
+        is_engine_failure(err)
+        or isinstance(err, WorkerUnavailableError)
+        or type(err).__name__ in _TIMEOUTS
+    )

@@ -48,6 +48,12 @@ class GenerationRequest:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     request_id: str = ""
     time_limit_s: float | None = None  # the request ends with TIME_LIMIT past this
+    # Request migration (workers/supervisor.py), never set from the wire: the tokens
+    # already generated and sent before an engine failure, and how many characters of
+    # their text the caller got. The engine continues the request after them as if it
+    # had never stopped (max_tokens, stop strings and the result count them).
+    resume_token_ids: tuple[int, ...] = ()
+    resume_text_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,18 @@ def validate_request(
         _finite_in("time_limit_s", request.time_limit_s, 0.0, math.inf, low_open=True)
     _validate_sampling(request.sampling, limits, prompt_len)
     _validate_speculation(request.speculation, limits)
+    _validate_resume(request, limits)
+
+
+def _validate_resume(request: GenerationRequest, limits: Limits) -> None:
+    ids = request.resume_token_ids
+    if len(ids) >= request.sampling.max_tokens:
+        raise _invalid("resume_token_ids", "must be fewer than max_tokens")
+    for tok in ids:
+        if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
+            raise _invalid("resume_token_ids", f"ids must lie in [0, {limits.vocab_size})")
+    if not _is_int(request.resume_text_chars) or request.resume_text_chars < 0:
+        raise _invalid("resume_text_chars", "must be an integer >= 0")
 
 
 def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:

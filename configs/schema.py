@@ -123,6 +123,26 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    max_attempts: int = doc(
+        "times one request is resumed on a rebuilt engine before it fails UNAVAILABLE", 3
+    )
+    restart_attempts: int = doc(
+        "gang restarts of the verifier ranks tried in a row before the replica gives up "
+        "(Serve then replaces it)",
+        3,
+    )
+    check_period_s: float = doc("how often the supervisor probes the engine's actors", 0.5)
+    probe_timeout_s: float = doc("an actor that does not answer a probe this long is dead", 10.0)
+    recovery_timeout_s: float = doc(
+        "the longest a request waits for a restart (its own deadline may be shorter)", 120.0
+    )
+    drain_timeout_s: float = doc(
+        "on scale-down and shutdown, how long running streams may take to finish", 30.0
+    )
+
+
+@dataclass(frozen=True)
 class AutoscalingConfig:
     min_replicas: int = doc("replicas kept at idle", 1)
     max_replicas: int = doc("upper bound under load", 1)
@@ -143,6 +163,7 @@ class ServeConfig:
     auth: AuthConfig = doc("optional bearer token", default_factory=AuthConfig)
     limits: LimitsConfig = doc("queues and sizes", default_factory=LimitsConfig)
     batching: BatchingConfig = doc("continuous batching", default_factory=BatchingConfig)
+    recovery: RecoveryConfig = doc("engine actor failures", default_factory=RecoveryConfig)
     autoscaling: AutoscalingConfig = doc("replica autoscaling", default_factory=AutoscalingConfig)
     grpc_port: int = doc("public gRPC port (the Serve proxy listens on it)", 9000)
     app_name: str = doc("Serve application name", "cactus")
@@ -311,6 +332,12 @@ def validate(c: ServeConfig) -> None:
         "batching.kv_budget_tokens",
         "must be null or >= 64",
     )
+    r = c.recovery
+    _check(r.max_attempts >= 0, "recovery.max_attempts", "must be >= 0")
+    _check(r.restart_attempts >= 1, "recovery.restart_attempts", "must be >= 1")
+    for name in ("check_period_s", "probe_timeout_s", "recovery_timeout_s"):
+        _check(getattr(r, name) > 0, f"recovery.{name}", "must be > 0")
+    _check(r.drain_timeout_s >= 0, "recovery.drain_timeout_s", "must be >= 0")
     a = c.autoscaling
     _check(
         1 <= a.min_replicas <= a.max_replicas,

@@ -7,7 +7,7 @@ import os
 from ray import serve
 
 from configs.schema import ServeConfig, to_dict
-from deployments.ingress import CactusIngress
+from deployments.ingress import CactusIngress, group_config
 
 GRPC_SERVICERS = [
     "protos.cactus.v1.cactus_pb2_grpc.add_CactusServicer_to_server",
@@ -16,16 +16,15 @@ GRPC_SERVICERS = [
 
 
 def replica_bundles(config: ServeConfig) -> list[dict]:
-    """Bundle 0: the replica; 1: the draft actor; 2..: the verifier ranks."""
-    r = config.resources
+    """Bundle 0: the replica; then the engine's (workers.group.engine_bundles): the
+    draft actor, and every verifier rank in one bundle (so on one node)."""
+    from workers.group import engine_bundles
 
-    def bundle(a):
-        out = {"CPU": a.num_cpus, **a.resources}
-        if a.num_gpus:
-            out["GPU"] = a.num_gpus
-        return out
-
-    return [bundle(r.replica), bundle(r.draft), *[bundle(r.verifier_rank)] * config.tp_size]
+    r = config.resources.replica
+    replica = {"CPU": r.num_cpus, **r.resources}
+    if r.num_gpus:
+        replica["GPU"] = r.num_gpus
+    return [replica, *engine_bundles(group_config(config))]
 
 
 def build_app(config: ServeConfig, *, engine=None):
@@ -38,6 +37,9 @@ def build_app(config: ServeConfig, *, engine=None):
         "ray_actor_options": {"num_cpus": config.resources.replica.num_cpus},
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
+        # Scale-down and shutdown: no new requests, running streams get this long.
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "graceful_shutdown_timeout_s": config.recovery.drain_timeout_s,
     }
     if engine is None:
         options["placement_group_bundles"] = replica_bundles(config)

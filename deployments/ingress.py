@@ -18,6 +18,7 @@ placement-group bundles.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
@@ -26,7 +27,7 @@ from dataclasses import replace
 
 import grpc
 
-from cactus.errors import InvalidRequestError, WorkerUnavailableError
+from cactus.errors import InvalidRequestError, is_unavailable, unwrap
 from cactus.params import (
     GenerationRequest,
     Limits,
@@ -116,6 +117,32 @@ def tokenize(request: GenerationRequest, tokenizer, limits: Limits) -> Generatio
     return replace(request, prompt=None, prompt_token_ids=tuple(ids))
 
 
+def group_config(config: ServeConfig):
+    """The engine's GroupConfig from the typed config: the one translation (the
+    replica's placement bundles are derived from it too, deployments/app.py)."""
+    from workers.group import ActorResources, GroupConfig
+
+    c, r = config, config.resources
+    return GroupConfig(
+        verifier_dir=c.model_path("verifier"),
+        draft_dir=c.model_path("draft"),
+        tp_size=c.tp_size,
+        dtype=c.models.dtype,
+        device=c.models.device,
+        threads=r.threads_per_actor,
+        shm_allreduce=c.shm_allreduce,
+        draft=ActorResources(r.draft.num_cpus, r.draft.num_gpus, dict(r.draft.resources)),
+        rank=ActorResources(
+            r.verifier_rank.num_cpus, r.verifier_rank.num_gpus, dict(r.verifier_rank.resources)
+        ),
+        start_timeout_s=c.limits.start_timeout_s,
+        max_concurrency=max(4, c.limits.max_ongoing_requests * 2, c.batching.max_num_seqs * 2),
+        max_num_seqs=c.batching.max_num_seqs,
+        max_num_batched_tokens=c.batching.max_num_batched_tokens,
+        kv_budget_tokens=c.batching.kv_budget_tokens,
+    )
+
+
 def stats_pb(stats) -> pb.SpeculationStats:
     return pb.SpeculationStats(
         num_drafts=stats.num_drafts,
@@ -125,6 +152,9 @@ def stats_pb(stats) -> pb.SpeculationStats:
         mean_acceptance_length=stats.mean_acceptance_length,
         divergence_nats=stats.divergence_nats,
         acceptance_rate=stats.acceptance_rate,
+        draft_failures=stats.draft_failures,
+        resumed=stats.resumed,
+        degraded=stats.degraded,
     )
 
 
@@ -156,38 +186,32 @@ class CactusIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path("verifier"))
         self.token = self.config.auth.resolved_token()
         self.metrics = ServiceMetrics()
+        self._engine_seen: dict = {}
 
     def _start_engine(self):
         import ray
 
-        from workers.group import ActorResources, EngineGroup, GroupConfig
+        from workers.group import EngineGroup
+        from workers.supervisor import EngineSupervisor
+        from workers.supervisor import RecoveryConfig as Recovery
 
-        c = self.config
-        r = c.resources
-        group_config = GroupConfig(
-            verifier_dir=c.model_path("verifier"),
-            draft_dir=c.model_path("draft"),
-            tp_size=c.tp_size,
-            dtype=c.models.dtype,
-            device=c.models.device,
-            threads=r.threads_per_actor,
-            shm_allreduce=c.shm_allreduce,
-            draft=ActorResources(r.draft.num_cpus, r.draft.num_gpus, dict(r.draft.resources)),
-            rank=ActorResources(
-                r.verifier_rank.num_cpus, r.verifier_rank.num_gpus, dict(r.verifier_rank.resources)
-            ),
-            start_timeout_s=c.limits.start_timeout_s,
-            max_concurrency=max(4, c.limits.max_ongoing_requests * 2, c.batching.max_num_seqs * 2),
-            max_num_seqs=c.batching.max_num_seqs,
-            max_num_batched_tokens=c.batching.max_num_batched_tokens,
-            kv_budget_tokens=c.batching.kv_budget_tokens,
-        )
         pg = ray.util.get_current_placement_group()
         # Rank 0 validates against the same operator limits as this shim.
         operator = limits_from(self.config, vocab_size=1, max_context=1).overrides()
-        return EngineGroup(
-            group_config, limits=operator, placement_group=pg, first_bundle=1
+        group = EngineGroup(
+            group_config(self.config), limits=operator, placement_group=pg, first_bundle=1
         ).start()
+        r = self.config.recovery
+        return EngineSupervisor(
+            group,
+            Recovery(
+                max_attempts=r.max_attempts,
+                restart_attempts=r.restart_attempts,
+                check_period_s=r.check_period_s,
+                probe_timeout_s=r.probe_timeout_s,
+                recovery_timeout_s=r.recovery_timeout_s,
+            ),
+        )
 
     # ---- the shim's duties ----------------------------------------------------------
 
@@ -213,11 +237,7 @@ class CactusIngress:
             code, details = err.code, err.details
         elif isinstance(err, InvalidRequestError):
             code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
-        elif isinstance(err, WorkerUnavailableError) or type(err).__name__ in (
-            "RayActorError",
-            "ActorDiedError",
-            "ActorUnavailableError",
-        ):
+        elif is_unavailable(err):  # cactus.errors decides, for every layer
             code, details = grpc.StatusCode.UNAVAILABLE, "engine unavailable; retry later"
         else:  # a bug: log it here, tell the client only that it happened
             logger.exception("request %s failed", request_id)
@@ -302,18 +322,32 @@ class CactusIngress:
         )
 
     async def Check(self, request, grpc_context=None):
-        """grpc.health.v1: SERVING only when the draft actor and every rank answer."""
+        """grpc.health.v1: NOT_SERVING while the engine's ranks restart. It reads the
+        supervisor's state and answers at once; a dead draft actor (being replaced,
+        requests degraded) is still SERVING."""
         healthy = await self.engine.ahealthy()
         status = health_pb2.HealthCheckResponse
         return status(status=status.SERVING if healthy else status.NOT_SERVING)
 
     async def check_health(self) -> None:
-        """Serve's replica health check: an unhealthy engine restarts the replica."""
-        if not await self.engine.ahealthy():
+        """Serve's replica health check. A restarting engine is not a reason to replace
+        the replica (the supervisor is on it); one the supervisor gave up on is."""
+        alive = getattr(self.engine, "alive", None)
+        if alive is not None:
+            stats = self.engine.stats()
+            self.metrics.engine(stats, self._engine_seen)
+            if not alive():
+                raise RuntimeError(f"engine failed: {stats}")
+        elif not await self.engine.ahealthy():
             raise RuntimeError("engine unhealthy")
 
+    def __del__(self) -> None:
+        """Serve calls this after draining (graceful_shutdown_timeout_s): stop the
+        engine's actors now rather than when Ray notices their owner is gone."""
+        group = getattr(getattr(self, "engine", None), "group", None)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.shutdown()
 
-def _unwrap(err: BaseException) -> BaseException:
-    """A RayTaskError wraps the remote exception; get the original back."""
-    cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, BaseException) else err
+
+_unwrap = unwrap

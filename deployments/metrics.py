@@ -41,7 +41,23 @@ class ServiceMetrics:
             tag_keys=rule,
         )
         self.draft_failures = metrics.Counter(
-            "cactus_draft_failures", description="requests that fell back to plain decoding"
+            "cactus_draft_failures", description="draft actor failures seen by requests"
+        )
+        self.degraded = metrics.Counter(
+            "cactus_degraded_requests",
+            description="requests that ran partly without drafts (draft actor failed)",
+        )
+        self.resumed = metrics.Counter(
+            "cactus_resumed_requests",
+            description="request resumptions on a rebuilt engine (a verifier rank died)",
+        )
+        self.engine_restarts = metrics.Counter(
+            "cactus_engine_restarts",
+            description="engine actors restarted by the supervisor",
+            tag_keys=("actor",),
+        )
+        self.engine_serving = metrics.Gauge(
+            "cactus_engine_serving", description="1 while the engine serves, 0 while it restarts"
         )
         self.requests = metrics.Counter(
             "cactus_requests", description="finished requests", tag_keys=("finish_reason",)
@@ -68,6 +84,15 @@ class ServiceMetrics:
         )
         self._running = 0
         self._last: dict[str, float] = {}
+
+    def engine(self, stats: dict, seen: dict) -> None:
+        """The supervisor's counters since the last call (`seen` keeps the last)."""
+        self.engine_serving.set(1 if stats.get("state") == "SERVING" else 0)
+        for key, actor in (("draft_restarts", "draft"), ("rank_restarts", "ranks")):
+            new = stats.get(key, 0) - seen.get(key, 0)
+            if new > 0:
+                self.engine_restarts.inc(new, tags={"actor": actor})
+            seen[key] = stats.get(key, 0)
 
     @contextlib.contextmanager
     def running(self):
@@ -103,6 +128,9 @@ class ServiceMetrics:
             self.divergence.inc(st.divergence_nats, tags=rule)
         if st.draft_failures:
             self.draft_failures.inc(st.draft_failures)
+            self.degraded.inc()
+        if st.resumed:
+            self.resumed.inc(st.resumed)
         self.requests.inc(tags={"finish_reason": result.finish_reason})
         self.prompt_tokens.inc(result.prompt_tokens)
         if result.token_ids:

@@ -67,7 +67,12 @@ class DraftActor:
             "cached_sequences": self.runner.num_sequences,
             "node_id": ray.get_runtime_context().get_node_id(),
             "vocab_size": self.runner.vocab_size,
+            "blocks_proposed": self.servicer.blocks_proposed,
         }
+
+    async def reset(self) -> int:
+        """Drop every draft session (rank 0 was restarted: its requests are new ones)."""
+        return await self.servicer.reset()
 
     async def shutdown(self) -> None:
         if self.server is not None:
@@ -166,6 +171,19 @@ class VerifierRank:
 
         self.metrics = EngineMetrics()
         self.loop = EngineLoop(self.engine, on_step=self.metrics.record)
+
+    def attach_draft(self, draft_address: str) -> int:
+        """Rank 0: switch to a new draft actor (the old one died); the engine re-opens
+        the draft sessions of its requests there. Returns how many it re-opened."""
+        from workers.grpc_drafter import GrpcDrafter
+
+        old = self.drafter
+        self.drafter = GrpcDrafter(
+            draft_address, vocab_size=self.runner.vocab_size, timeout_s=old.timeout_s
+        )
+        reopened = self.loop.call(lambda engine: engine.attach_drafter(self.drafter))
+        old.close()
+        return reopened
 
     def model_info(self) -> dict:
         r = self.runner

@@ -185,6 +185,13 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         self.sessions.pop(request_id, None)
         self.drafter.release(request_id)
 
+    async def reset(self) -> int:
+        """Drop every session (the engine they belonged to was rebuilt)."""
+        ids = list(self.sessions)
+        for rid in ids:
+            await self._close(rid)
+        return len(ids)
+
     async def Status(self, request, context):
         return pb.StatusReply(
             open_sessions=len(self.sessions),

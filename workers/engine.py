@@ -332,14 +332,33 @@ class SpeculativeEngine:
         """A row on each side: the drafter prefills now (a remote one while this side
         prefills the verifier, chunk by chunk, in the next steps)."""
         if state.drafting:
-            try:
-                self.drafter.start(state.id, state.prompt_ids, state.request.sampling, state.seed)
-            except DRAFTER_FAILURES:
-                self._drafter_failed(state)
+            self._open_draft(state)
         try:
             self.verifier.start(state.id, state.prompt_ids, reserve_tokens=state.reserve_tokens)
         except Exception as err:
             self._end(state, err)
+
+    def attach_drafter(self, drafter: Drafter) -> int:
+        """Switch to a new drafter (the old one died) and re-open there the draft
+        session of every admitted request that speculates, from its committed tokens,
+        with a fresh draft seed (the old draws are not reused). Returns how many."""
+        self.drafter = drafter
+        reopened = 0
+        for state in [*self.scheduler.prefilling, *self.scheduler.running]:
+            if state.request.speculation.rule == "none" or state.finish_reason is not None:
+                continue
+            state.drafting = True
+            state.draft_epoch += 1
+            self._open_draft(state)
+            reopened += state.drafting
+        return reopened
+
+    def _open_draft(self, state: RequestState) -> None:
+        context = state.prompt_ids + state.generated
+        try:
+            self.drafter.start(state.id, context, state.request.sampling, state.draft_seed)
+        except DRAFTER_FAILURES:
+            self._drafter_failed(state)
 
     def _drafter_failed(self, state: RequestState) -> None:
         """Degrade to plain decoding for the rest of the request (serving.md)."""

@@ -26,6 +26,19 @@ def _final_only(put: Callable) -> Callable:
     return sink
 
 
+class _Call:
+    """A function to run on the loop's thread (between steps), with its answer box."""
+
+    def __init__(self, fn: Callable, done: queue.SimpleQueue) -> None:
+        self.fn, self.done = fn, done
+
+    def run(self, engine) -> None:
+        try:
+            self.done.put((True, self.fn(engine)))
+        except BaseException as err:
+            self.done.put((False, err))
+
+
 class EngineLoopStopped(RuntimeError):
     """The loop was shut down before the request finished."""
 
@@ -54,6 +67,17 @@ class EngineLoop:
         self._inbox.put((request, cancelled, sink))
         return self._drain(out)
 
+    def call(self, fn: Callable, timeout_s: float = 60.0):
+        """Run fn(engine) on the loop's thread between two steps; return its result."""
+        if self._stopped.is_set():
+            raise EngineLoopStopped("the engine loop is shut down")
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox.put(_Call(fn, done))
+        ok, value = done.get(timeout=timeout_s)
+        if not ok:
+            raise value
+        return value
+
     def generate(self, request, *, cancelled: Callable[[], bool] | None = None):
         last = None
         for last in self.submit(request, cancelled=cancelled, final_only=True):  # noqa: B007
@@ -75,6 +99,10 @@ class EngineLoop:
         try:
             item = self._inbox.get(block=not self.engine.has_work())
             while item is not _END:
+                if isinstance(item, _Call):
+                    item.run(self.engine)
+                    item = self._inbox.get(block=False)
+                    continue
                 request, cancelled, sink = item
                 try:
                     self.engine.add_request(request, sink, cancelled=cancelled)
@@ -102,7 +130,9 @@ class EngineLoop:
                 item = self._inbox.get(block=False)
             except queue.Empty:
                 return
-            if item is not _END:
+            if isinstance(item, _Call):
+                item.done.put((False, EngineLoopStopped("the engine loop was shut down")))
+            elif item is not _END:
                 item[2](EngineLoopStopped("the engine loop was shut down"))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:

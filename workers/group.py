@@ -73,10 +73,22 @@ class GroupConfig:
     kv_budget_tokens: int | None = None  # verifier KV slots (None: max_num_seqs * context)
 
 
+def engine_bundles(config: GroupConfig) -> list[dict[str, float]]:
+    """The engine's share of a placement group, derived here only: bundle 0 the draft
+    actor, bundle 1 every verifier rank together (tp_size x the rank's resources). One
+    bundle always lies on one node, so the ranks share a node whatever the group's
+    strategy, while the draft actor's bundle may land on another (a custom resource)."""
+    ranks: dict[str, float] = {}
+    for key, value in config.rank.bundle().items():
+        ranks[key] = value * config.tp_size
+    return [config.draft.bundle(), ranks]
+
+
 class EngineGroup:
-    """`placement_group`: an existing group to start in (a Serve replica's): the draft
-    actor takes bundle `first_bundle`, rank i bundle first_bundle + 1 + i. Without it the
-    group makes its own: one STRICT_PACK bundle per rank, the draft actor outside."""
+    """`placement_group`: the group to start in (a Serve replica's): the draft actor
+    takes bundle `first_bundle`, every rank bundle first_bundle + 1 (engine_bundles).
+    Without one the engine makes its own with the same two bundles (PACK). Nothing is
+    reserved twice, and a restarted actor goes back into its own bundle."""
 
     def __init__(
         self, config: GroupConfig, *, limits=None, placement_group=None, first_bundle: int = 0
@@ -87,31 +99,42 @@ class EngineGroup:
         self.limits = limits
         self.draft = None
         self.ranks: list = []
-        self.pg = None
-        self.outer_pg = placement_group
-        self.first_bundle = first_bundle
+        self.pg = placement_group
+        self.own_pg = placement_group is None
+        self.first_bundle = 0 if placement_group is None else first_bundle
         # Named (namespace "cactus") so operators and tests can find an engine's actors.
         self.name = f"engine-{uuid.uuid4().hex[:8]}"
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
+        self.rank_generation = 0  # bumped by every gang restart of the ranks
+        self.draft_generation = 0  # bumped by every replacement of the draft actor
+
+    def _in_bundle(self, offset: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=self.first_bundle + offset
+        )
 
     def start(self) -> EngineGroup:
         """Create the actors, join the TP group, connect rank 0 to the draft actor."""
-        from workers.actors import DraftActor, VerifierRank
+        if self.pg is None:
+            self.pg = placement_group(engine_bundles(self.config), strategy="PACK")
+        ray.get(self.pg.ready(), timeout=self.config.start_timeout_s)
+        self._start_draft()
+        self._start_ranks()
+        return self
+
+    def _start_draft(self) -> None:
+        from workers.actors import DraftActor
 
         c = self.config
-        timeout = c.start_timeout_s
-        self.pg = placement_group(
-            [c.rank.bundle() for _ in range(c.tp_size)], strategy="STRICT_PACK"
-        )
-        ray.get(self.pg.ready(), timeout=timeout)
         self.draft = DraftActor.options(
-            name=f"{self.name}-draft",
+            name=f"{self.name}.d{self.draft_generation}-draft",
             namespace=NAMESPACE,
             num_cpus=c.draft.num_cpus,
             num_gpus=c.draft.num_gpus,
             resources=c.draft.resources or None,
+            scheduling_strategy=self._in_bundle(0),
         ).remote(
             c.draft_dir,
             dtype=c.dtype,
@@ -120,17 +143,25 @@ class EngineGroup:
             lease_s=c.lease_s,
             max_num_seqs=c.max_num_seqs,
         )
+        self.draft_address = ray.get(self.draft.serve.remote(), timeout=c.start_timeout_s)
+        self.placement["draft"] = ray.get(self.draft.status.remote(), timeout=c.start_timeout_s)[
+            "node_id"
+        ]
+
+    def _start_ranks(self) -> None:
+        from workers.actors import VerifierRank
+
+        c = self.config
+        timeout = c.start_timeout_s
         self.ranks = [
             VerifierRank.options(
-                name=f"{self.name}-rank{i}",
+                name=f"{self.name}.r{self.rank_generation}-rank{i}",
                 namespace=NAMESPACE,
                 num_cpus=c.rank.num_cpus,
                 num_gpus=c.rank.num_gpus,
                 resources=c.rank.resources or None,
                 max_concurrency=c.max_concurrency,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i
-                ),
+                scheduling_strategy=self._in_bundle(1),
             ).remote(i, c.tp_size)
             for i in range(c.tp_size)
         ]
@@ -152,7 +183,6 @@ class EngineGroup:
             timeout=timeout,
         )
         self.followers = [r.follow.remote() for r in self.ranks[1:]]
-        self.draft_address = ray.get(self.draft.serve.remote(), timeout=timeout)
         ray.get(
             self.ranks[0].connect.remote(
                 self.draft_address,
@@ -164,12 +194,33 @@ class EngineGroup:
             ),
             timeout=timeout,
         )
-        draft_status = ray.get(self.draft.status.remote(), timeout=timeout)
-        self.placement = {
-            "draft": draft_status["node_id"],
-            "ranks": [info["node_id"] for info in infos],
-        }
-        return self
+        self.placement["ranks"] = [info["node_id"] for info in infos]
+
+    def replace_draft(self) -> None:
+        """A new draft actor in the old one's bundle; rank 0 switches to it and re-opens
+        the draft sessions of its running requests, which then speculate again."""
+        old, self.draft = self.draft, None
+        with contextlib.suppress(Exception):
+            ray.kill(old)
+        self.draft_generation += 1
+        self._start_draft()
+        ray.get(
+            self.rank0.attach_draft.remote(self.draft_address),
+            timeout=self.config.start_timeout_s,
+        )
+
+    def restart_ranks(self) -> None:
+        """Gang restart: every rank is killed and started again in the same bundle (a
+        broken TP group cannot take a new member); the draft actor drops the old
+        engine's sessions. In-flight requests are resumed by the caller."""
+        for actor in self.ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        self.ranks, self.followers = [], []
+        self.rank_generation += 1
+        with contextlib.suppress(Exception):
+            ray.get(self.draft.reset.remote(), timeout=self.config.rpc_timeout_s)
+        self._start_ranks()
 
     @property
     def rank0(self):
@@ -233,16 +284,18 @@ class EngineGroup:
         if not self.ranks:
             return
         steps = [
-            lambda: ray.get(self.rank0.shutdown.remote(), timeout=60),
-            lambda: ray.get(self.followers, timeout=60),
-            lambda: ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=60),
+            lambda: ray.get(self.rank0.shutdown.remote(), timeout=30),
+            lambda: ray.get(self.followers, timeout=30),
+            lambda: ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=30),
             lambda: ray.get(self.draft.shutdown.remote(), timeout=30),
         ]
         for step in steps:  # each best effort: a dead actor must not block the rest
-            with contextlib.suppress(RayError, GetTimeoutError):
+            with contextlib.suppress(RayError, GetTimeoutError, AttributeError):
                 step()
         for actor in [*self.ranks, self.draft]:
-            ray.kill(actor)
-        if self.pg is not None:
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+        if self.pg is not None and self.own_pg:
             remove_placement_group(self.pg)
         self.ranks, self.draft, self.pg = [], None, None

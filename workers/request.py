@@ -18,6 +18,14 @@ from cactus.detokenize import IncrementalDetokenizer
 from cactus.params import GenerationRequest
 
 VERIFY_SEED_SALT = 0x5EED_CAC7_0000_0001
+_GOLDEN = 0x9E37_79B9_7F4A_7C15
+
+
+def derived_seed(seed: int, attempt: int) -> int:
+    """Seed of the `attempt`-th continuation (0: the seed itself): a re-opened draft
+    session or a resumed request draws fresh numbers instead of replaying the first
+    ones at later positions."""
+    return seed if attempt == 0 else (seed + attempt * _GOLDEN) % (1 << 63)
 
 
 @dataclass
@@ -30,6 +38,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     divergence_nats: float = 0.0
     draft_failures: int = 0  # the drafter failed; the request went on without drafts
+    resumed: int = 0  # times the request was resumed on a rebuilt engine (supervisor)
     draft_s: float = 0.0  # time of the steps' draft passes this request took part in
     verify_s: float = 0.0
     kernel_s: float = 0.0
@@ -37,6 +46,11 @@ class SpecStats:
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def degraded(self) -> bool:
+        """Some of the request ran without drafts (its draft actor failed)."""
+        return self.draft_failures > 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,6 +66,8 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "divergence_nats": self.divergence_nats,
             "draft_failures": self.draft_failures,
+            "resumed": self.resumed,
+            "degraded": self.degraded,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "kernel_s": self.kernel_s,
@@ -102,7 +118,11 @@ class RequestState:
     ) -> None:
         self.request = request
         self.id = request.request_id
-        self.prompt_ids = prompt_ids
+        # A resumed request (migration): the tokens sent before are context here, and
+        # count towards max_tokens, stop strings and the result as if never interrupted.
+        self.prior = [int(t) for t in request.resume_token_ids]
+        self.prompt_len = len(prompt_ids)
+        self.prompt_ids = list(prompt_ids) + self.prior  # what both rows are prefilled with
         self.seed = seed
         self.eos = eos
         self.max_context = max_context
@@ -115,8 +135,12 @@ class RequestState:
         )
         self.finish_reason: str | None = None
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.released_chars = 0  # text already handed to the caller
+        for tok in self.prior:
+            self.detok.add(tok)
+        # text already handed to the caller
+        self.released_chars = min(request.resume_text_chars, len(self.detok.text))
         self.drafting = request.speculation.rule != "none"  # False once the drafter failed
+        self.draft_epoch = 0  # draft sessions re-opened on a new drafter (new draft seed)
         self.prefilled = 0  # verifier prompt tokens (all but the last) already in its row
         limit = request.time_limit_s
         self.deadline = time.monotonic() + limit if limit else None
@@ -135,7 +159,17 @@ class RequestState:
         """The most tokens this request's verifier row will ever hold. A step writes
         committed - 1 + K + 1 tokens, and K is kept below the tokens still to come
         (num_draft_tokens), so that is at most prompt + max_tokens - 1."""
-        return min(self.max_context, len(self.prompt_ids) + self.request.sampling.max_tokens)
+        return min(self.max_context, self.prompt_len + self.request.sampling.max_tokens)
+
+    @property
+    def draft_seed(self) -> int:
+        """The draft side's seed: the request's, then a fresh one per re-opened session."""
+        return derived_seed(self.seed, self.draft_epoch)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated for the request, those of earlier attempts included."""
+        return len(self.prior) + len(self.generated)
 
     def num_draft_tokens(self) -> int:
         """K for the next step, reduced near the end: never draft past max_tokens or the
@@ -143,7 +177,7 @@ class RequestState:
         if not self.drafting:
             return 0
         k = self.request.speculation.num_speculative_tokens
-        left = self.request.sampling.max_tokens - len(self.generated)
+        left = self.request.sampling.max_tokens - self.num_generated
         room = self.max_context - self.committed
         return max(0, min(k, left - 1, room - 1))
 
@@ -170,7 +204,7 @@ class RequestState:
             if new_chars and self._hit_stop_string(new_chars):
                 self.finish_reason = "STOP_SEQUENCE"
                 break
-            if len(self.generated) >= s.max_tokens:
+            if self.num_generated >= s.max_tokens:
                 self.finish_reason = "LENGTH"
                 break
         if self.finish_reason is None and self.committed >= self.max_context:
@@ -221,9 +255,9 @@ class RequestState:
         return GenerationResult(
             request_id=self.id,
             text=self.detok.text,
-            token_ids=tuple(self.generated),
+            token_ids=tuple(self.prior + self.generated),
             finish_reason=self.finish_reason or "ABORT",
-            prompt_tokens=len(self.prompt_ids),
+            prompt_tokens=self.prompt_len,
             seed=self.seed,
             stats=self.stats,
         )

@@ -25,6 +25,7 @@ from contextlib import closing
 
 import torch
 
+from cactus.errors import EngineFailedError, is_engine_failure
 from workers.batch_runner import BatchRunner
 
 SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
@@ -50,19 +51,38 @@ class MirroredRunner:
         self._queued: list[tuple] = []  # bookkeeping ops for the next broadcast
         self.broadcast_s = 0.0
         self.broadcasts = 0
+        self.failed: BaseException | None = None  # the group broke: nothing more runs
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise EngineFailedError(f"tensor-parallel group is down: {self.failed}")
+
+    def _broke(self, err: BaseException) -> BaseException:
+        """A mirrored op failed on rank 0: the ranks are out of step from here on, so
+        the group is done whatever the cause; a collective failure (a rank died) is an
+        EngineFailedError, anything else stays what it is (a bug)."""
+        self.failed = err
+        if is_engine_failure(err):
+            return EngineFailedError(f"tensor-parallel group failed: {err}")
+        return err
 
     def __getattr__(self, name):  # read-only properties: vocab_size, max_context, ...
         return getattr(self.runner, name)
 
     def _mirror(self, op: str, *args, **kwargs):
         with self._lock:
-            if self.world_size > 1:
+            if self.world_size == 1:
+                return getattr(self.runner, op)(*args, **kwargs)
+            self._check()
+            try:
                 ops, self._queued = [*self._queued, (op, args, kwargs)], []
                 start = time.perf_counter()
                 torch.distributed.broadcast_object_list([ops], src=0)
                 self.broadcast_s += time.perf_counter() - start
                 self.broadcasts += 1
-            return getattr(self.runner, op)(*args, **kwargs)
+                return getattr(self.runner, op)(*args, **kwargs)
+            except Exception as err:
+                raise self._broke(err) from err
 
     def _later(self, op: str, *args):
         """Apply a bookkeeping op here now; followers get it with the next broadcast."""
@@ -86,7 +106,7 @@ class MirroredRunner:
 
     def stop_followers(self) -> None:
         with self._lock:
-            if self.world_size > 1:
+            if self.world_size > 1 and self.failed is None:
                 torch.distributed.broadcast_object_list([[("stop", (), {})]], src=0)
 
 

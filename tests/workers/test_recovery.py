@@ -1,0 +1,181 @@
+"""The engine supervisor (workers/supervisor.py) against real actor deaths: a killed
+draft actor is replaced while its requests go on (health SERVING throughout), a killed
+verifier rank restarts the TP group and every stream resumes where it was, with no
+token lost or repeated (greedy streams equal their uninterrupted output)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+import ray
+
+from cactus.errors import EngineFailedError, is_engine_failure, is_unavailable
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.conftest import embedded_dirs
+from workers.group import EngineGroup, GroupConfig
+from workers.supervisor import EngineSupervisor, RecoveryConfig
+
+pytestmark = pytest.mark.slow
+
+
+def _req(prompt, rid, **sampling):
+    return GenerationRequest(
+        prompt_token_ids=tuple(prompt),
+        request_id=rid,
+        sampling=SamplingParams(**sampling),
+        speculation=SpeculationParams(rule="cactus", delta=1.0),
+    )
+
+
+async def _collect(sup, req, chunks: list) -> None:
+    async for chunk in sup.astream(req):
+        chunks.append(chunk)
+
+
+async def _health_poll(sup, seen: list, stop: asyncio.Event) -> None:
+    """Ask for health every 50 ms as a load balancer would; record (answer, seconds)."""
+    while not stop.is_set():
+        start = time.monotonic()
+        ok = await sup.ahealthy()
+        seen.append((ok, time.monotonic() - start, time.monotonic()))
+        await asyncio.sleep(0.05)
+
+
+def _uninterrupted(engine, req):
+    return engine.generate(replace(req, request_id="ref-" + req.request_id))
+
+
+def _check_streams(reqs, chunks, engine) -> None:
+    for req, got in zip(reqs, chunks, strict=True):
+        result = got[-1].result
+        assert result is not None and result.request_id == req.request_id
+        streamed = [t for c in got for t in c.token_ids]
+        assert streamed == list(result.token_ids)  # no gap, no duplicate on the wire
+        assert "".join(c.text for c in got) == result.text
+        if req.sampling.temperature == 0.0:
+            assert result.token_ids == _uninterrupted(engine, req).token_ids
+        else:
+            assert len(result.token_ids) == req.sampling.max_tokens or result.finish_reason in (
+                "EOS",
+                "STOP",
+            )
+
+
+def _prompts(engine, texts, n):
+    return [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts[:n]]
+
+
+def test_one_place_classifies_engine_failures():
+    assert is_engine_failure(EngineFailedError("x"))
+    assert is_engine_failure(RuntimeError("[gloo/transport] Connection closed by peer"))
+    assert not is_engine_failure(RuntimeError("shape mismatch"))
+    assert not is_engine_failure(ValueError("gloo"))
+    assert is_unavailable(ray.exceptions.GetTimeoutError("slow"))
+    assert not is_unavailable(KeyError("bug"))
+
+
+def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
+    ray_session, embedded_engine, heldout_prompts
+):
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
+    sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5))
+    prompts = _prompts(embedded_engine, heldout_prompts, 2)
+    # Long enough to outlive the replacement (a new worker process loads the model).
+    reqs = [
+        _req(p, f"draft-kill{i}", temperature=0.0, max_tokens=600) for i, p in enumerate(prompts)
+    ]
+
+    async def scenario():
+        chunks = [[] for _ in reqs]
+        health: list = []
+        stop = asyncio.Event()
+        poll = asyncio.create_task(_health_poll(sup, health, stop))
+        tasks = [asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks)]
+        while not all(chunks):
+            await asyncio.sleep(0.01)
+        old = group.draft
+        killed = time.monotonic()
+        ray.kill(old)
+        while group.draft is old or group.draft is None:
+            await asyncio.sleep(0.05)
+        while not ray.get(group.draft.status.remote())["blocks_proposed"]:
+            assert not all(t.done() for t in tasks), "the requests ended before re-speculating"
+            await asyncio.sleep(0.05)
+        respeculating_s = time.monotonic() - killed
+        await asyncio.gather(*tasks)
+        stop.set()
+        await poll
+        return chunks, health, respeculating_s
+
+    try:
+        chunks, health, respeculating_s = asyncio.run(scenario())
+        assert all(ok for ok, _, _ in health)  # SERVING throughout: degraded, not down
+        assert max(took for _, took, _ in health) < 1.0
+        assert respeculating_s < 30.0, respeculating_s  # reported figure: see the chaos bench
+        _check_streams(reqs, chunks, embedded_engine)
+        for got in chunks:
+            stats = got[-1].result.stats
+            assert stats.draft_failures >= 1 and stats.degraded and stats.resumed == 0
+        assert sup.counters["draft_restarts"] == 1 and sup.counters["rank_restarts"] == 0
+        print(f"draft killed: speculating again after {respeculating_s:.1f} s")
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["follower", "rank0"])
+def test_a_killed_rank_restarts_the_group_and_streams_resume(
+    ray_session, embedded_engine, heldout_prompts, victim
+):
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(GroupConfig(verifier, draft, tp_size=2, rpc_timeout_s=5)).start()
+    sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5))
+    prompts = _prompts(embedded_engine, heldout_prompts[4:], 4)
+    reqs = [
+        _req(prompts[0], f"k{victim}-greedy0", temperature=0.0, max_tokens=80),
+        _req(prompts[1], f"k{victim}-greedy1", temperature=0.0, max_tokens=80, stop=("\n\n\n",)),
+        _req(prompts[2], f"k{victim}-sampled", temperature=0.8, max_tokens=80, seed=11),
+        _req(prompts[3], f"k{victim}-unseeded", temperature=1.0, max_tokens=80),
+    ]
+
+    async def scenario():
+        chunks = [[] for _ in reqs]
+        health: list = []
+        stop = asyncio.Event()
+        poll = asyncio.create_task(_health_poll(sup, health, stop))
+        tasks = [asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks)]
+        while not all(chunks):
+            await asyncio.sleep(0.01)
+        killed = time.monotonic()
+        ray.kill(group.ranks[victim])
+        await asyncio.gather(*tasks)
+        # A request that arrives after the restart is served normally.
+        late = await sup.agenerate(
+            _req(prompts[0], f"k{victim}-late", temperature=0.0, max_tokens=8)
+        )
+        stop.set()
+        await poll
+        return chunks, health, killed, late
+
+    try:
+        chunks, health, killed, late = asyncio.run(scenario())
+        _check_streams(reqs, chunks, embedded_engine)
+        assert any(got[-1].result.stats.resumed for got in chunks)
+        assert sup.counters["rank_restarts"] == 1 and sup.state == "SERVING"
+        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        down = [at for ok, _, at in health if not ok and at >= killed]
+        assert down, "health never said NOT_SERVING during the restart"
+        back = min(at for ok, _, at in health if ok and at > max(down))
+        assert (
+            late.token_ids
+            == _uninterrupted(
+                embedded_engine, _req(prompts[0], "late-ref", temperature=0.0, max_tokens=8)
+            ).token_ids
+        )
+        print(f"rank {victim} killed: SERVING again after {back - killed:.1f} s")
+        assert back - killed < 60.0
+    finally:
+        group.shutdown()

@@ -1,0 +1,95 @@
+"""Request migration, engine side: a request resumed from the tokens it had already
+sent continues as if it had never stopped (workers/supervisor.py builds such requests
+after an engine failure)."""
+
+from dataclasses import replace
+
+import pytest
+
+from cactus.errors import InvalidRequestError
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+
+
+def _req(prompt_ids, rid, **sampling):
+    return GenerationRequest(
+        prompt_token_ids=tuple(prompt_ids),
+        request_id=rid,
+        sampling=SamplingParams(**sampling),
+        speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
+    )
+
+
+def _streamed(engine, req):
+    ids, text, last = [], "", None
+    for chunk in engine.stream(req):
+        ids += chunk.token_ids
+        text += chunk.text
+        last = chunk
+    return ids, text, last.result
+
+
+@pytest.mark.parametrize("cut", [1, 9, 23])
+def test_a_resumed_greedy_stream_equals_the_uninterrupted_one(
+    embedded_engine, heldout_prompts, cut
+):
+    prompt = embedded_engine.tokenizer.encode(heldout_prompts[3], add_special_tokens=False)
+    whole = _req(prompt, "whole", max_tokens=40, temperature=0.0)
+    ids, text, result = _streamed(embedded_engine, whole)
+    assert len(ids) == 40
+    # The caller got `cut` tokens and part of their text, then the engine died.
+    sent_text = embedded_engine.tokenizer.decode(ids[:cut])[:-1]
+    resumed = replace(
+        whole,
+        request_id=f"resumed-{cut}",
+        resume_token_ids=tuple(ids[:cut]),
+        resume_text_chars=len(sent_text),
+    )
+    rest_ids, rest_text, rest = _streamed(embedded_engine, resumed)
+    assert ids[:cut] + rest_ids == ids  # no token lost, none repeated
+    assert sent_text + rest_text == text  # nor a character
+    assert rest.token_ids == result.token_ids and rest.text == result.text
+    assert rest.prompt_tokens == len(prompt) and rest.finish_reason == "LENGTH"
+
+
+def test_a_stop_string_across_the_resume_point_still_stops(embedded_engine, heldout_prompts):
+    prompt = embedded_engine.tokenizer.encode(heldout_prompts[0], add_special_tokens=False)
+    probe = _streamed(embedded_engine, _req(prompt, "probe", max_tokens=30, temperature=0.0))
+    text = probe[1]
+    stop = text[10:14]  # four characters of the greedy text
+    whole = _req(prompt, "stop-whole", max_tokens=30, temperature=0.0, stop=(stop,))
+    ids, streamed, result = _streamed(embedded_engine, whole)
+    assert result.finish_reason == "STOP_SEQUENCE"
+    # Resume at a token inside the stop string (the stream had held its head back).
+    cut = next(i for i in range(1, len(ids)) if len(embedded_engine.tokenizer.decode(ids[:i])) > 11)
+    resumed = replace(
+        whole,
+        request_id="stop-resumed",
+        resume_token_ids=tuple(ids[:cut]),
+        resume_text_chars=min(10, len(streamed)),
+    )
+    rest_ids, rest_text, rest = _streamed(embedded_engine, resumed)
+    assert rest.finish_reason == "STOP_SEQUENCE"
+    assert ids[:cut] + rest_ids == ids
+    assert streamed[:10] + rest_text == streamed == rest.text
+
+
+def test_a_resumed_sampled_request_keeps_its_length_and_context(embedded_engine, heldout_prompts):
+    prompt = embedded_engine.tokenizer.encode(heldout_prompts[1], add_special_tokens=False)
+    first = _streamed(embedded_engine, _req(prompt, "s1", max_tokens=32, temperature=0.8, seed=3))
+    resumed = replace(
+        _req(prompt, "s2", max_tokens=32, temperature=0.8, seed=4),
+        resume_token_ids=tuple(first[0][:12]),
+    )
+    rest_ids, _, rest = _streamed(embedded_engine, resumed)
+    assert len(rest_ids) == 20 and rest.token_ids[:12] == tuple(first[0][:12])
+    assert len(rest.token_ids) == 32
+
+
+def test_resume_fields_are_validated(embedded_engine):
+    req = _req([5, 6, 7], "bad", max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="resume_token_ids"):
+        embedded_engine.generate(replace(req, resume_token_ids=(1, 2, 3, 4)))
+    with pytest.raises(InvalidRequestError, match="resume_token_ids"):
+        embedded_engine.generate(replace(req, resume_token_ids=(10**7,)))
+    with pytest.raises(InvalidRequestError, match="resume_text_chars"):
+        embedded_engine.generate(replace(req, resume_text_chars=-1))

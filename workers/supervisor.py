@@ -1,0 +1,288 @@
+"""The engine's supervisor inside a Serve replica: it keeps the replica serving when an
+engine actor dies, and no streamed token is lost.
+
+- Dead draft actor: running requests go on without drafts (the engine degrades them);
+  a new draft actor starts in the same bundle and rank 0 re-opens the draft sessions
+  of its requests from their committed tokens, so they speculate again. Health stays
+  SERVING: a degraded request is a statistic (`draft_failures`), not an outage.
+- Dead verifier rank (rank 0 or a follower), or a broken tensor-parallel group: the
+  ranks are torn down and started again in their bundle (gang restart). Health answers
+  NOT_SERVING while that runs, at once (it reads a state, it never calls an actor).
+- Requests in flight then are migrated (NVIDIA Dynamo's term): a stream resumes on the
+  rebuilt engine from the tokens it already sent (prompt + those tokens, same
+  parameters, a fresh seed for what follows), so the client sees a pause, not an error;
+  a unary request runs again from the start with the same seed. Requests that arrive
+  meanwhile wait for the engine within their deadline. Only when recovery fails, or a
+  request ran out of attempts, does it end, with WorkerUnavailableError (UNAVAILABLE).
+
+Which errors mean "the engine is gone" is decided in one place: cactus.errors.
+Serve's own replica restart stays the last resort: check_health fails only once the
+supervisor gave up (state FAILED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from cactus.errors import WorkerUnavailableError, is_engine_failure, unwrap
+from cactus.params import GenerationRequest
+from workers.request import GenerationChunk, GenerationResult, derived_seed
+
+logger = logging.getLogger("cactus.supervisor")
+
+SERVING, RECOVERING, FAILED = "SERVING", "RECOVERING", "FAILED"
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    max_attempts: int = 3  # resumptions of one request before it fails UNAVAILABLE
+    restart_attempts: int = 3  # gang restarts tried in a row before giving up
+    check_period_s: float = 0.5  # how often the actors are probed
+    probe_timeout_s: float = 10.0  # an actor that does not answer a probe is dead
+    recovery_timeout_s: float = 120.0  # the longest a request waits for a restart
+
+
+class EngineSupervisor:
+    """The ServingEngine protocol (agenerate / astream / cancel / ahealthy / model_info)
+    over an EngineGroup that survives the death of its actors."""
+
+    def __init__(self, group, config: RecoveryConfig | None = None) -> None:
+        self.group = group
+        self.config = config or RecoveryConfig()
+        self.state = SERVING
+        self.generation = 0  # bumped by every gang restart
+        self.counters: Counter = Counter()  # draft_restarts, rank_restarts, resumed, ...
+        self.degraded_since: float | None = None  # the draft actor is being replaced
+        self.last_recovery_s: float | None = None
+        self._ready: asyncio.Event | None = None
+        self._monitor: asyncio.Task | None = None
+        self._recovery: asyncio.Task | None = None
+        self._replacing_draft: asyncio.Task | None = None
+        self._inner: dict[str, str] = {}  # request id -> the id of its current attempt
+        self._info = group.model_info()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        """Start the monitor on the caller's event loop (the replica's)."""
+        if self._ready is None:
+            self._ready = asyncio.Event()
+            self._ready.set()
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.check_period_s)
+            if self.state != SERVING:
+                continue
+            generation = self.generation
+            ranks_ok, draft_ok = await self._probe()
+            if not ranks_ok:
+                self.engine_failed(generation, "a verifier rank does not answer")
+            elif not draft_ok and self._replacing_draft is None:
+                self._replacing_draft = asyncio.get_running_loop().create_task(
+                    self._replace_draft()
+                )
+
+    async def _probe(self) -> tuple[bool, bool]:
+        group, timeout = self.group, self.config.probe_timeout_s
+
+        async def answers(ref) -> bool:
+            try:
+                await asyncio.wait_for(ref, timeout)
+                return True
+            except Exception:
+                return False
+
+        ranks = [answers(r.ping.remote()) for r in group.ranks]
+        draft = answers(group.draft.status.remote()) if group.draft is not None else None
+        results = await asyncio.gather(*ranks, *([draft] if draft is not None else []))
+        ranks_ok = bool(group.ranks) and all(results[: len(ranks)])
+        return ranks_ok, draft is not None and results[-1]
+
+    async def _replace_draft(self) -> None:
+        self.degraded_since = time.monotonic()
+        self.counters["draft_restarts"] += 1
+        try:
+            for attempt in range(self.config.restart_attempts):
+                try:
+                    await asyncio.to_thread(self.group.replace_draft)
+                    logger.warning(
+                        "draft actor replaced in %.1f s", time.monotonic() - self.degraded_since
+                    )
+                    return
+                except Exception:
+                    logger.exception("replacing the draft actor failed (attempt %d)", attempt + 1)
+                    await asyncio.sleep(min(8.0, 0.5 * 2**attempt))
+        finally:
+            self.degraded_since = None
+            self._replacing_draft = None
+
+    def engine_failed(self, generation: int, why: str) -> None:
+        """Start a gang restart, once per engine generation."""
+        self._ensure_started()
+        if generation != self.generation or self.state != SERVING:
+            return
+        logger.warning("engine generation %d failed (%s): restarting the ranks", generation, why)
+        self.state = RECOVERING
+        self._ready.clear()
+        self._recovery = asyncio.get_running_loop().create_task(self._restart_ranks())
+
+    async def _restart_ranks(self) -> None:
+        start = time.monotonic()
+        self.counters["rank_restarts"] += 1
+        for attempt in range(self.config.restart_attempts):
+            try:
+                await asyncio.to_thread(self.group.restart_ranks)
+                self.generation += 1
+                self.state = SERVING
+                self.last_recovery_s = time.monotonic() - start
+                logger.warning("engine restarted in %.1f s", self.last_recovery_s)
+                self._ready.set()
+                return
+            except Exception:
+                logger.exception("gang restart failed (attempt %d)", attempt + 1)
+                await asyncio.sleep(min(8.0, 0.5 * 2**attempt))
+        self.state = FAILED  # Serve's health check now replaces the replica
+        self._ready.set()
+
+    async def _wait_ready(self, deadline: float | None) -> int:
+        """The engine generation to run on, once it serves; UNAVAILABLE if it does not
+        within the request's deadline (or the recovery timeout)."""
+        self._ensure_started()
+        if self.state == RECOVERING:
+            limit = self.config.recovery_timeout_s
+            if deadline is not None:
+                limit = min(limit, deadline - time.monotonic())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), max(0.0, limit))
+        if self.state != SERVING:
+            raise WorkerUnavailableError("the engine is restarting; retry later")
+        return self.generation
+
+    # ---- the ServingEngine protocol --------------------------------------------------
+
+    def model_info(self) -> dict:
+        return self._info
+
+    async def ahealthy(self, timeout_s: float = 1.0) -> bool:
+        """SERVING unless the ranks are being restarted (or could not be): never calls
+        an actor, so it answers at once. A dead draft actor leaves it True."""
+        self._ensure_started()
+        return self.state == SERVING
+
+    def alive(self) -> bool:
+        """False once recovery gave up: Serve then replaces the replica."""
+        return self.state != FAILED
+
+    def cancel(self, request_id: str) -> None:
+        inner = self._inner.get(request_id)
+        if inner is not None:
+            self.group.cancel(inner)
+
+    def stats(self) -> dict:
+        return {
+            "state": self.state,
+            "generation": self.generation,
+            "degraded": self.degraded_since is not None,
+            **self.counters,
+        }
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult:
+        """Unary: nothing was sent, so a failed attempt runs again from the start with
+        the same seed (the result is the one an uninterrupted run gives)."""
+        request = _with_seed(request)
+        deadline = _deadline(request)
+        attempt = 0
+        while True:
+            generation = await self._wait_ready(deadline)
+            inner = _attempt(request, attempt, deadline)
+            self._inner[request.request_id] = inner.request_id
+            try:
+                result = await self.group.agenerate(inner)
+                return _as_original(result, request, attempt)
+            except Exception as err:
+                attempt = self._failed_attempt(err, generation, attempt, request)
+            finally:
+                self._inner.pop(request.request_id, None)
+
+    async def astream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Streaming: resume after the last token sent (same request, fresh seed)."""
+        request = _with_seed(request)
+        deadline = _deadline(request)
+        sent: list[int] = []
+        sent_chars = 0
+        attempt = 0
+        while True:
+            generation = await self._wait_ready(deadline)
+            inner = _attempt(request, attempt, deadline, sent, sent_chars)
+            self._inner[request.request_id] = inner.request_id
+            try:
+                async for chunk in self.group.astream(inner):
+                    sent += chunk.token_ids
+                    sent_chars += len(chunk.text)
+                    result = chunk.result
+                    if result is not None:
+                        result = _as_original(result, request, attempt)
+                    yield replace(chunk, request_id=request.request_id, result=result)
+                return
+            except Exception as err:
+                attempt = self._failed_attempt(err, generation, attempt, request)
+            finally:
+                self._inner.pop(request.request_id, None)
+
+    def _failed_attempt(self, err, generation: int, attempt: int, request) -> int:
+        """Re-raise what is not an engine failure; else start recovery and count the
+        attempt (UNAVAILABLE once they are used up)."""
+        if not is_engine_failure(err):
+            raise err
+        self.engine_failed(generation, f"{type(unwrap(err)).__name__} in {request.request_id}")
+        if attempt + 1 > self.config.max_attempts:
+            raise WorkerUnavailableError(
+                f"request {request.request_id}: the engine failed {attempt + 1} times"
+            ) from None
+        self.counters["resumed"] += 1
+        return attempt + 1
+
+
+def _with_seed(request: GenerationRequest) -> GenerationRequest:
+    """Fix the seed here, so every attempt of the request draws from the same one."""
+    if request.sampling.seed is not None:
+        return request
+    return replace(request, sampling=replace(request.sampling, seed=secrets.randbits(63)))
+
+
+def _deadline(request: GenerationRequest) -> float | None:
+    return time.monotonic() + request.time_limit_s if request.time_limit_s else None
+
+
+def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0):
+    """The request as the engine runs it this time: its own id (the old engine may
+    still know the old one), the time left, and for a resumed stream the tokens sent."""
+    if attempt == 0:
+        return request
+    left = None if deadline is None else max(1e-3, deadline - time.monotonic())
+    resumed = replace(
+        request,
+        request_id=f"{request.request_id}~{attempt}",
+        time_limit_s=left,
+        resume_token_ids=tuple(sent),
+        resume_text_chars=sent_chars,
+    )
+    if sent:  # new tokens from a fresh seed; the first ones are not drawn again
+        seed = derived_seed(request.sampling.seed, attempt)
+        resumed = replace(resumed, sampling=replace(request.sampling, seed=seed))
+    return resumed
+
+
+def _as_original(result: GenerationResult, request, attempt: int) -> GenerationResult:
+    stats = replace(result.stats, resumed=attempt)
+    return replace(result, request_id=request.request_id, seed=request.sampling.seed, stats=stats)
