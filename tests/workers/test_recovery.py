@@ -94,7 +94,9 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
         health: list = []
         stop = asyncio.Event()
         poll = asyncio.create_task(_health_poll(sup, health, stop))
-        tasks = [asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks)]
+        tasks = [
+            asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks, strict=True)
+        ]
         while not all(chunks):
             await asyncio.sleep(0.01)
         old = group.draft
@@ -146,7 +148,9 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
         health: list = []
         stop = asyncio.Event()
         poll = asyncio.create_task(_health_poll(sup, health, stop))
-        tasks = [asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks)]
+        tasks = [
+            asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks, strict=True)
+        ]
         while not all(chunks):
             await asyncio.sleep(0.01)
         killed = time.monotonic()
