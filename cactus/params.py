@@ -54,6 +54,9 @@ class GenerationRequest:
     # had never stopped (max_tokens, stop strings and the result count them).
     resume_token_ids: tuple[int, ...] = ()
     resume_text_chars: int = 0
+    # ...and the speculation statistics so far (SpecStats.as_dict()): the divergence
+    # budget and the counters go on from there rather than from zero.
+    resume_stats: dict | None = None
 
 
 @dataclass(frozen=True)

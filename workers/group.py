@@ -30,6 +30,7 @@ def engine_cache_counts() -> dict[str, dict]:
         if ns != NAMESPACE or not name.startswith("engine-"):
             continue
         engine, role = name.rsplit("-", 1)
+        engine = engine.split(".")[0]  # engine-<id>.d<n> / .r<n>: restarted actors
         actor = ray.get_actor(name, namespace=NAMESPACE)
         if role == "draft":
             status = ray.get(actor.status.remote(), timeout=30)

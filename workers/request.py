@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -56,6 +56,18 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def snapshot(self) -> SpecStats:
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
+
+    def restore(self, saved: dict) -> None:
+        """Go on from an earlier attempt's counters (a resumed request)."""
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "draft_failures"):
+            setattr(self, name, int(saved.get(name, 0)))
+        self.divergence_nats = float(saved.get("divergence_nats", 0.0))
+        for i, n in enumerate(saved.get("accepted_per_position", ())):
+            if i < len(self.accepted_per_position):
+                self.accepted_per_position[i] = int(n)
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
@@ -95,6 +107,7 @@ class GenerationChunk:
     text: str
     finish_reason: str | None = None
     result: GenerationResult | None = None
+    stats: SpecStats | None = None  # the request's statistics so far (for migration)
 
 
 # Where a request's chunks go: a GenerationChunk, or an exception that ends the request.
@@ -133,6 +146,8 @@ class RequestState:
         self.stats = SpecStats(
             accepted_per_position=[0] * request.speculation.num_speculative_tokens
         )
+        if request.resume_stats:
+            self.stats.restore(request.resume_stats)
         self.finish_reason: str | None = None
         self.detok = IncrementalDetokenizer(tokenizer)
         for tok in self.prior:
@@ -245,7 +260,9 @@ class RequestState:
                 GenerationChunk(self.id, tuple(new_tokens), text, self.finish_reason, self.result())
             )
         elif new_tokens or text:
-            self.sink(GenerationChunk(self.id, tuple(new_tokens), text))
+            self.sink(
+                GenerationChunk(self.id, tuple(new_tokens), text, stats=self.stats.snapshot())
+            )
 
     def time_limit(self) -> None:
         self.finish_reason = "TIME_LIMIT"

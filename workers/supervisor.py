@@ -220,15 +220,17 @@ class EngineSupervisor:
         deadline = _deadline(request)
         sent: list[int] = []
         sent_chars = 0
+        stats = None  # the statistics as of the last chunk sent
         attempt = 0
         while True:
             generation = await self._wait_ready(deadline)
-            inner = _attempt(request, attempt, deadline, sent, sent_chars)
+            inner = _attempt(request, attempt, deadline, sent, sent_chars, stats)
             self._inner[request.request_id] = inner.request_id
             try:
                 async for chunk in self.group.astream(inner):
                     sent += chunk.token_ids
                     sent_chars += len(chunk.text)
+                    stats = chunk.stats or stats
                     result = chunk.result
                     if result is not None:
                         result = _as_original(result, request, attempt)
@@ -264,7 +266,7 @@ def _deadline(request: GenerationRequest) -> float | None:
     return time.monotonic() + request.time_limit_s if request.time_limit_s else None
 
 
-def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0):
+def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0, stats=None):
     """The request as the engine runs it this time: its own id (the old engine may
     still know the old one), the time left, and for a resumed stream the tokens sent."""
     if attempt == 0:
@@ -276,6 +278,7 @@ def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0):
         time_limit_s=left,
         resume_token_ids=tuple(sent),
         resume_text_chars=sent_chars,
+        resume_stats=stats.as_dict() if stats is not None and sent else None,
     )
     if sent:  # new tokens from a fresh seed; the first ones are not drawn again
         seed = derived_seed(request.sampling.seed, attempt)

@@ -258,3 +258,93 @@ def test_cancel_mid_stream_frees_the_caches(server):
             break
         time.sleep(1)
     assert counts and all(v == 0 for engine in counts.values() for v in engine.values()), counts
+
+
+def _kill(server, role: str) -> float:
+    """SIGKILL-equivalent (ray.kill) of one engine actor of the server, by role
+    ("draft", "rank0", "rank1"); returns the monotonic time the kill was started (the
+    helper process needs a few seconds to connect, so the kill falls after that)."""
+    started = time.monotonic()
+    code = (
+        f"import ray; ray.init(address={server.ray_address!r}, log_to_driver=False);"
+        "names = [e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
+        f" if e['namespace'] == 'cactus' and e['name'].endswith('-{role}')];"
+        "assert len(names) == 1, names;"
+        "ray.kill(ray.get_actor(names[0], namespace='cactus')); print('KILLED')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert "KILLED" in out.stdout, out.stdout + out.stderr
+    return started
+
+
+def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
+    server, embedded_engine, heldout_prompts
+):
+    """Runs last on the module's server. One greedy stream (the other slot of the
+    replica is for health Checks) outlives a draft kill and a follower-rank kill: it
+    ends OK, equal to the uninterrupted output, with no token lost or repeated; health
+    answers every poll within 1 s, SERVING throughout the draft kill, NOT_SERVING and
+    back during the rank restart."""
+    client = server.client()
+    prompt = heldout_prompts[9]
+    kw = {"max_tokens": 700, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
+    chunks: list = []
+    failure: list = []
+
+    def consume():
+        try:
+            chunks.extend(client.stream(prompt, **kw))
+        except grpc.RpcError as err:
+            failure.append(err)
+
+    health: list[tuple[str, float, float]] = []
+    stop = threading.Event()
+
+    def poll():
+        checker = server.client()
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                status = checker.health()
+            except grpc.RpcError as err:
+                status = err.code().name
+            health.append((status, time.monotonic() - start, start))
+            time.sleep(0.1)
+
+    reader = threading.Thread(target=consume)
+    poller = threading.Thread(target=poll)
+    reader.start()
+    while not chunks and reader.is_alive():
+        time.sleep(0.05)
+    poller.start()
+    draft_killed = _kill(server, "draft")
+    time.sleep(8.0)
+    rank_killed = _kill(server, "rank1")
+    reader.join(timeout=300)
+    time.sleep(1.0)
+    stop.set()
+    poller.join(timeout=30)
+    assert not failure, failure
+    final = chunks[-1]
+    assert final.finish_reason in ("LENGTH", "EOS")
+    want = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=700, temperature=0.0),
+            speculation=SpeculationParams(rule="none"),
+        )
+    )
+    streamed = [t for c in chunks for t in c.token_ids]
+    assert streamed == list(want.token_ids)
+    assert "".join(c.text for c in chunks) == want.text
+    assert final.stats.resumed >= 1 and final.stats.draft_failures >= 1 and final.stats.degraded
+    assert max(took for _, took, _ in health) < 1.0, max(health, key=lambda h: h[1])
+    during_draft = [s for s, _, at in health if draft_killed <= at < rank_killed]
+    assert during_draft and set(during_draft) == {"SERVING"}, during_draft
+    after_rank = [(s, at) for s, _, at in health if at >= rank_killed]
+    assert {s for s, _ in after_rank} <= {"SERVING", "NOT_SERVING"}, after_rank
+    back = [at for s, at in after_rank if s == "SERVING"]
+    assert back and back[-1] - rank_killed < 60
+    assert client.generate("def f():", max_tokens=4).finish_reason == "LENGTH"

@@ -93,3 +93,30 @@ def test_resume_fields_are_validated(embedded_engine):
         embedded_engine.generate(replace(req, resume_token_ids=(10**7,)))
     with pytest.raises(InvalidRequestError, match="resume_text_chars"):
         embedded_engine.generate(replace(req, resume_text_chars=-1))
+
+
+def test_a_resumed_request_goes_on_from_its_statistics(embedded_engine, heldout_prompts):
+    """The divergence budget is the request's, not the attempt's: a resumed request
+    that had spent its budget accepts no more divergence."""
+    prompt = embedded_engine.tokenizer.encode(heldout_prompts[2], add_special_tokens=False)
+    spec = SpeculationParams(rule="cactus", delta=2.0, max_divergence_nats=0.5)
+    req = replace(_req(prompt, "budget", max_tokens=24, temperature=0.9, seed=8), speculation=spec)
+    first = embedded_engine.generate(req)
+    spent = {
+        "num_drafts": 5,
+        "num_draft_tokens": 20,
+        "num_accepted_tokens": 12,
+        "accepted_per_position": [5, 4, 2, 1],
+        "divergence_nats": 0.5,
+        "draft_failures": 1,
+    }
+    resumed = replace(
+        req,
+        request_id="budget-resumed",
+        resume_token_ids=first.token_ids[:6],
+        resume_stats=spent,
+    )
+    out = embedded_engine.generate(resumed).stats
+    assert out.num_drafts >= 5 and out.num_draft_tokens >= 20 and out.draft_failures == 1
+    assert out.accepted_per_position[0] >= 5 and out.degraded
+    assert out.divergence_nats == pytest.approx(0.5, abs=1e-9)  # nothing more was spent
