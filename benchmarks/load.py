@@ -73,11 +73,18 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         for line in self.proc.stdout:
             if line.startswith("READY"):
+                self.ready_line = line
                 threading.Thread(target=self._drain, daemon=True).start()
                 return
             if time.monotonic() > deadline:
                 break
         raise RuntimeError("server did not start")
+
+    def ray_address(self) -> str:
+        """The server's Ray head, from its READY line ("... (ray ADDRESS)")."""
+        import re
+
+        return re.search(r"ray (\S+)\)", self.ready_line).group(1)
 
     def _drain(self) -> None:
         for _ in self.proc.stdout:

@@ -149,7 +149,95 @@ def autoscale(verifier: str, draft: str) -> dict:
         ray.shutdown()
 
 
+def _free(resource: str) -> float:
+    return round(ray.available_resources().get(resource, 0.0), 6)
+
+
+def exact(verifier: str, draft: str) -> dict:
+    """A node that declares exactly one replica's resources (TP = 2, one GPU per rank,
+    models on CPU) starts and serves it; a second such node serves a second replica.
+    Nothing is left over either time: every bundle is reserved once."""
+    from ray.cluster_utils import Cluster
+
+    from deployments.app import replica_bundles
+
+    port = free_port()
+    raw = {
+        "models": {"verifier": verifier, "draft": draft},
+        "tp_size": 2,
+        "grpc_port": port,
+        "resources": {
+            "replica": {"num_cpus": 0.25},
+            "draft": {"num_cpus": 0.25},
+            "verifier_rank": {"num_cpus": 0.25, "num_gpus": 1},
+        },
+    }
+    config = from_dict(raw)
+    need: dict[str, float] = {}
+    for bundle in replica_bundles(config):
+        for key, value in bundle.items():
+            need[key] = need.get(key, 0.0) + value
+    node = {"num_cpus": int(need["CPU"]), "num_gpus": int(need["GPU"])}
+    cluster = Cluster(initialize_head=True, head_node_args=node)
+    ray.init(address=cluster.address, log_to_driver=False)
+    out: dict = {"need": need}
+    try:
+        start_serve(config, proxy_location="HeadOnly")
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        client = CactusClient(f"127.0.0.1:{port}", timeout=120)
+        out["one"] = {
+            "replicas": _replicas(config.app_name),
+            "tokens": len(client.generate("def f(x):", max_tokens=8, temperature=0.0).token_ids),
+            "free_cpu": _free("CPU"),
+            "free_gpu": _free("GPU"),
+        }
+        cluster.add_node(**node)
+        two = from_dict({**raw, "autoscaling": {"min_replicas": 2, "max_replicas": 2}})
+        serve.run(build_app(two), name=config.app_name, route_prefix="/")
+        deadline = time.monotonic() + 300
+        while _replicas(config.app_name) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        out["two"] = {
+            "replicas": _replicas(config.app_name),
+            "streams": [
+                len(client.generate("class A:", max_tokens=8, seed=i).token_ids) for i in range(4)
+            ],
+            "free_cpu": _free("CPU"),
+            "free_gpu": _free("GPU"),
+        }
+        # Scale-down drains: streams running on the replica that goes away finish.
+        results: list = []
+
+        def stream(i: int) -> None:
+            chunks = []
+            try:
+                for chunk in CactusClient(f"127.0.0.1:{port}", timeout=300).stream(
+                    "def walk(tree):", max_tokens=160, seed=i, temperature=1.0
+                ):
+                    chunks.append(chunk)
+                streamed = sum(len(c.token_ids) for c in chunks)
+                final = chunks[-1]
+                whole = streamed == final.usage.completion_tokens
+                results.append(final.finish_reason if whole else f"gap: {streamed}")
+            except Exception as err:
+                results.append(repr(err)[:200])
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")  # 1 replica
+        for t in threads:
+            t.join(timeout=300)
+        out["drain"] = {"streams": results, "replicas": _replicas(config.app_name)}
+        return out
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
-    result = {"multinode": multinode, "autoscale": autoscale}[scenario](*args)
+    result = {"multinode": multinode, "autoscale": autoscale, "exact": exact}[scenario](*args)
     print("RESULT " + json.dumps(result), flush=True)

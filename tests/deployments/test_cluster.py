@@ -54,3 +54,19 @@ def test_autoscaling_up_under_load_and_back_down():
     got = _run("autoscale", verifier, draft)
     assert got["start"] == 1 and got["peak"] == 2 and got["end"] == 1, got
     assert got["stream_results"] == ["OK"] * 4, got
+
+
+def test_a_node_with_exactly_one_replicas_resources_serves_it():
+    """TP = 2 with one GPU per rank declared to Ray (models on CPU): a node declaring
+    exactly the replica's bundles starts it (nothing is reserved twice) and a second
+    such node takes a second replica, with nothing left over; scaling back to one
+    drains the other without cutting a stream."""
+    verifier, draft = embedded_dirs()
+    got = _run("exact", verifier, draft)
+    assert got["need"] == {"CPU": 1.0, "GPU": 2.0}, got
+    assert got["one"] == {"replicas": 1, "tokens": 8, "free_cpu": 0.0, "free_gpu": 0.0}, got
+    assert got["two"]["replicas"] == 2 and got["two"]["streams"] == [8] * 4, got
+    assert got["two"]["free_cpu"] == 0.0 and got["two"]["free_gpu"] == 0.0, got
+    # Scaling back to one replica drained the other: every running stream finished.
+    assert got["drain"]["replicas"] == 1, got
+    assert set(got["drain"]["streams"]) <= {"LENGTH", "EOS"}, got

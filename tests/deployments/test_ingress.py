@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from cactus.errors import WorkerUnavailableError
+from cactus.errors import EngineFailedError, WorkerUnavailableError
 from cactus.params import GenerationRequest
 from client import CactusClient
 from configs.schema import from_dict, to_dict
@@ -102,6 +102,9 @@ def test_engine_failures_map_to_status_without_internals(ray_session):
     for err, code in (
         (RuntimeError("Traceback (most recent call last): secret"), grpc.StatusCode.INTERNAL),
         (WorkerUnavailableError("rank 1 gone"), grpc.StatusCode.UNAVAILABLE),
+        # A broken TP group as gloo words it, and the engine's own word for it.
+        (RuntimeError("[gloo] rank 1: Connection closed by peer"), grpc.StatusCode.UNAVAILABLE),
+        (EngineFailedError("rank 1 gone"), grpc.StatusCode.UNAVAILABLE),
     ):
         shim = _shim(FakeEngine(fail=err))
         ctx = Ctx()
@@ -140,3 +143,29 @@ def test_auth_and_health(ray_session):
     assert asyncio.run(shim.Check(None, ctx)).status == 1  # SERVING
     sick = _shim(FakeEngine(fail=RuntimeError("down")))
     assert asyncio.run(sick.Check(None, Ctx())).status == 2  # NOT_SERVING
+
+
+def test_the_replica_reserves_each_engine_actor_once():
+    """Bundles come from the typed config in one place: the replica, the draft actor,
+    and every verifier rank together in one bundle (so on one node)."""
+    from deployments.app import replica_bundles
+    from deployments.ingress import group_config
+    from workers.group import engine_bundles
+
+    config = from_dict(
+        {
+            "tp_size": 4,
+            "resources": {
+                "replica": {"num_cpus": 1},
+                "draft": {"num_cpus": 2, "num_gpus": 0.5, "resources": {"draft_node": 1}},
+                "verifier_rank": {"num_cpus": 2, "num_gpus": 1},
+            },
+        }
+    )
+    bundles = replica_bundles(config)
+    assert bundles == [
+        {"CPU": 1},
+        {"CPU": 2, "draft_node": 1, "GPU": 0.5},
+        {"CPU": 8, "GPU": 4},
+    ]
+    assert bundles[1:] == engine_bundles(group_config(config))

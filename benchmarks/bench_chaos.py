@@ -1,0 +1,329 @@
+"""Chaos: streaming clients against the served stack while engine actors are killed.
+
+    python -m benchmarks.bench_chaos [--quick] [--clients 8] [--kills 2] [--seed 0]
+
+The server is `make serve`'s (python -m deployments.serve, TP = 2, embedded models, a
+subprocess with its own Ray head). `--clients` threads stream seeded requests back to
+back, half greedy and half sampled; a seeded schedule kills the draft actor, the
+follower rank (rank1) and rank 0, `--kills` times each, in a shuffled order, one kill
+every `--gap` seconds, with ray.kill (SIGKILL of the actor's process). A poller asks
+grpc.health.v1 Check every 100 ms. Reported:
+  - requests total / OK / resumed / degraded / failed by status code
+  - tokens lost and duplicated: every greedy stream against its uninterrupted output
+    (the verifier's greedy decoding, in this process), every sampled stream's chunks
+    against its own final result
+  - per kill: time to SERVING again (rank kills) or until the new draft actor drafts
+    again (draft kills), and whether health left SERVING (it must not for the draft)
+  - the longest health Check
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from benchmarks.load import ServerProcess
+from client import CactusClient
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "def parse(text):",
+    "class Stack:",
+    "import os\n\ndef walk(root):",
+    "def fibonacci(n):",
+    "def read_config(path):",
+    "class Matrix:\n    def __init__(self, rows):",
+    "def merge_sorted(a, b):",
+    "def tokenize(line):",
+]
+
+
+def _ray(server_address: str, code: str) -> str:
+    """Run a snippet on the server's Ray cluster (a short-lived driver)."""
+    prelude = (
+        f"import json, ray; ray.init(address={server_address!r}, log_to_driver=False);"
+        "names = {e['name'].rsplit('-', 1)[-1]: e['name'] for e in "
+        "ray.util.list_named_actors(all_namespaces=True) if e['namespace'] == 'cactus'};"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", prelude + code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return out.stdout.strip().splitlines()[-1]
+
+
+def kill(ray_address: str, role: str) -> None:
+    _ray(ray_address, f"ray.kill(ray.get_actor(names[{role!r}], namespace='cactus')); print(1)")
+
+
+def draft_blocks(ray_address: str) -> tuple[str, int]:
+    """The current draft actor's name and how many blocks it has drafted."""
+    got = _ray(
+        ray_address,
+        "a = ray.get_actor(names['draft'], namespace='cactus');"
+        "print(json.dumps([names['draft'], ray.get(a.status.remote(), timeout=10)"
+        "['blocks_proposed']]))",
+    )
+    name, blocks = json.loads(got)
+    return name, blocks
+
+
+def _diff(want: list[int], got: list[int]) -> tuple[int, int]:
+    """(lost, duplicated): tokens of `want` missing from `got`, and extra ones in it."""
+    matcher = difflib.SequenceMatcher(a=want, b=got, autojunk=False)
+    same = sum(block.size for block in matcher.get_matching_blocks())
+    return len(want) - same, len(got) - same
+
+
+class Chaos:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.lock = threading.Lock()
+        self.outcomes: Counter = Counter()
+        self.lost = self.duplicated = 0
+        self.greedy_checked = self.greedy_equal = 0
+        self.resumed = self.degraded = 0
+        self.health: list[tuple[float, str, float]] = []  # (at, status, seconds)
+        self.kills: list[dict] = []
+        self.stop = threading.Event()
+        self.reference: dict[tuple[str, int], list[int]] = {}
+
+    def greedy_reference(self, prompt: str) -> list[int]:
+        """The uninterrupted greedy output (the verifier's argmax decoding)."""
+        key = (prompt, self.args.max_tokens)
+        if key not in self.reference:
+            from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+
+            self.reference[key] = list(
+                self.engine.generate(
+                    GenerationRequest(
+                        prompt=prompt,
+                        sampling=SamplingParams(max_tokens=self.args.max_tokens, temperature=0.0),
+                        speculation=SpeculationParams(rule="none"),
+                    )
+                ).token_ids
+            )
+        return self.reference[key]
+
+    def client(self, idx: int, address: str) -> None:
+        client = CactusClient(address, timeout=600)
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            prompt = PROMPTS[(idx + n) % len(PROMPTS)]
+            greedy = idx % 2 == 0
+            kw = {"temperature": 0.0} if greedy else {"temperature": 0.8, "top_k": 40}
+            chunks = []
+            try:
+                for chunk in client.stream(
+                    prompt,
+                    max_tokens=self.args.max_tokens,
+                    seed=idx * 100_000 + n,
+                    rule="cactus",
+                    delta=1.0,
+                    **kw,
+                ):
+                    chunks.append(chunk)
+                code = "OK"
+            except grpc.RpcError as err:
+                code = err.code().name
+            streamed = [t for c in chunks for t in c.token_ids]
+            with self.lock:
+                self.outcomes[code] += 1
+                if code != "OK":
+                    continue
+                final = chunks[-1]
+                self.resumed += final.stats.resumed > 0
+                self.degraded += final.stats.degraded
+                # The result's own count (usage) against what came over the stream.
+                count = final.usage.completion_tokens
+                lost, dup = max(0, count - len(streamed)), max(0, len(streamed) - count)
+                if greedy:  # and token for token against the uninterrupted output
+                    want = self.greedy_reference(prompt)
+                    self.greedy_checked += 1
+                    self.greedy_equal += streamed == want
+                    if streamed != want:
+                        lost, dup = _diff(want, streamed)
+                self.lost += lost
+                self.duplicated += dup
+
+    def poll(self, address: str) -> None:
+        checker = CactusClient(address, timeout=30)
+        while not self.stop.is_set():
+            start = time.monotonic()
+            try:
+                status = checker.health()
+            except grpc.RpcError as err:
+                status = err.code().name
+            took = time.monotonic() - start
+            with self.lock:
+                self.health.append((start, status, took))
+            time.sleep(0.1)
+
+    def serving_since(self, since: float) -> float | None:
+        with self.lock:
+            down = [at for at, s, _ in self.health if at >= since and s != "SERVING"]
+            if not down:
+                return None
+            back = [at for at, s, _ in self.health if at > max(down) and s == "SERVING"]
+        return back[0] if back else None
+
+    def run_kill(self, role: str, ray_address: str) -> dict:
+        before = draft_blocks(ray_address) if role == "draft" else None
+        start = time.monotonic()
+        kill(ray_address, role)
+        record = {"role": role, "at_s": round(start - self.t0, 1)}
+        deadline = start + 120
+        if role == "draft":  # health must stay SERVING; wait for drafting to resume
+            while time.monotonic() < deadline:
+                try:
+                    name, blocks = draft_blocks(ray_address)
+                    if name != before[0] and blocks > 0:
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.5)
+            record["recovered_s"] = round(time.monotonic() - start, 1)
+            with self.lock:
+                statuses = {s for at, s, _ in self.health if at >= start}
+            record["health_left_serving"] = statuses != {"SERVING"}
+        else:
+            time.sleep(1.0)
+            while time.monotonic() < deadline:
+                back = self.serving_since(start)
+                if back is not None:
+                    record["recovered_s"] = round(back - start, 1)
+                    break
+                time.sleep(0.2)
+            else:
+                record["recovered_s"] = None
+        return record
+
+    def run(self) -> dict:
+        from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
+        from workers.local import local_engine
+
+        self.engine = local_engine(str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT))
+        for prompt in PROMPTS:
+            self.greedy_reference(prompt)
+        server = ServerProcess(
+            {
+                "tp_size": 2,
+                "limits": {
+                    "max_ongoing_requests": self.args.clients + 4,
+                    "max_queued_requests": 4 * self.args.clients,
+                },
+            }
+        )
+        try:
+            server.wait_ready()
+            ray_address = server.ray_address()
+            schedule = ["draft", "rank1", "rank0"] * self.args.kills
+            self.rng.shuffle(schedule)
+            self.t0 = time.monotonic()
+            threads = [
+                threading.Thread(target=self.client, args=(i, server.address), daemon=True)
+                for i in range(self.args.clients)
+            ]
+            threads.append(threading.Thread(target=self.poll, args=(server.address,), daemon=True))
+            for t in threads:
+                t.start()
+            time.sleep(self.args.gap)
+            for role in schedule:
+                self.kills.append(self.run_kill(role, ray_address))
+                time.sleep(self.args.gap)
+            self.stop.set()
+            for t in threads:
+                t.join(timeout=600)
+            duration = time.monotonic() - self.t0
+        finally:
+            server.stop()
+        return self.report(duration)
+
+    def report(self, duration: float) -> dict:
+        checks = [took for _, _, took in self.health]
+        total = sum(self.outcomes.values())
+        return {
+            "duration_s": round(duration, 1),
+            "clients": self.args.clients,
+            "requests": total,
+            "ok": self.outcomes.get("OK", 0),
+            "failed": {k: v for k, v in self.outcomes.items() if k != "OK"},
+            "resumed": self.resumed,
+            "degraded": self.degraded,
+            "greedy_checked": self.greedy_checked,
+            "greedy_equal": self.greedy_equal,
+            "tokens_lost": self.lost,
+            "tokens_duplicated": self.duplicated,
+            "kills": self.kills,
+            "longest_check_s": round(max(checks), 3) if checks else None,
+            "median_check_s": round(statistics.median(checks), 4) if checks else None,
+            "checks": len(checks),
+        }
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# chaos: {r['clients']} streaming clients, {r['duration_s']} s, "
+        f"{len(r['kills'])} kills (seeded schedule)",
+        "| requests | OK | resumed | degraded | failed | greedy equal | tokens lost "
+        "| tokens duplicated | longest Check |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {r['requests']} | {r['ok']} | {r['resumed']} | {r['degraded']} | "
+        f"{sum(r['failed'].values())} {r['failed'] or ''} | "
+        f"{r['greedy_equal']}/{r['greedy_checked']} | {r['tokens_lost']} | "
+        f"{r['tokens_duplicated']} | {r['longest_check_s']} s |",
+        "",
+        "| kill | at (s) | recovered after (s) | health left SERVING |",
+        "|---|---|---|---|",
+    ]
+    for k in r["kills"]:
+        left = k.get("health_left_serving", "yes (restart)")
+        lines.append(f"| {k['role']} | {k['at_s']} | {k['recovered_s']} | {left} |")
+    lines.append(
+        "\n# recovered after: draft = until the new draft actor drafts again; "
+        "rank = until health is SERVING again"
+    )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 kill of each, 4 clients")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--kills", type=int, default=2, help="kills of each actor")
+    parser.add_argument("--gap", type=float, default=20.0, help="seconds between kills")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.kills, args.gap = 4, 1, 12.0
+    import torch
+
+    torch.set_num_threads(1)
+    result = Chaos(args).run()
+    print(markdown(result), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
