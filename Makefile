@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch generate models clean
+.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch bench-chaos generate models clean
 
 setup: $(STAMP) protos
 
@@ -58,6 +58,10 @@ bench-distributed: setup
 # Batched engine: tokens/s at B = 1..32 per rule, step split, crossover, memory.
 bench-batch: setup
 	$(PY) -m benchmarks.bench_batch
+
+# Engine actors killed under 8 streaming clients: lost/duplicated tokens, recovery times.
+bench-chaos: setup
+	$(PY) -m benchmarks.bench_chaos $(if $(QUICK),--quick,)
 
 # Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min.
 bench: setup

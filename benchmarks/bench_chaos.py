@@ -24,8 +24,6 @@ import difflib
 import json
 import random
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -49,39 +47,33 @@ PROMPTS = [
 ]
 
 
-def _ray(server_address: str, code: str) -> str:
-    """Run a snippet on the server's Ray cluster (a short-lived driver)."""
-    prelude = (
-        f"import json, ray; ray.init(address={server_address!r}, log_to_driver=False);"
-        "names = {e['name'].rsplit('-', 1)[-1]: e['name'] for e in "
-        "ray.util.list_named_actors(all_namespaces=True) if e['namespace'] == 'cactus'};"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", prelude + code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if out.returncode:
-        raise RuntimeError(out.stderr[-2000:])
-    return out.stdout.strip().splitlines()[-1]
+def _actor(role: str):
+    """The server's engine actor with this role (draft, rank0, rank1), looked up by
+    name on the server's Ray cluster (this process is connected to it as a driver)."""
+    import ray
+
+    names = [
+        e["name"]
+        for e in ray.util.list_named_actors(all_namespaces=True)
+        if e["namespace"] == "cactus" and e["name"].endswith(f"-{role}")
+    ]
+    if len(names) != 1:
+        raise RuntimeError(f"expected one {role} actor, found {names}")
+    return names[0], ray.get_actor(names[0], namespace="cactus")
 
 
-def kill(ray_address: str, role: str) -> None:
-    _ray(ray_address, f"ray.kill(ray.get_actor(names[{role!r}], namespace='cactus')); print(1)")
+def kill(role: str) -> None:
+    import ray
+
+    ray.kill(_actor(role)[1])
 
 
-def draft_blocks(ray_address: str) -> tuple[str, int]:
+def draft_blocks() -> tuple[str, int]:
     """The current draft actor's name and how many blocks it has drafted."""
-    got = _ray(
-        ray_address,
-        "a = ray.get_actor(names['draft'], namespace='cactus');"
-        "print(json.dumps([names['draft'], ray.get(a.status.remote(), timeout=10)"
-        "['blocks_proposed']]))",
-    )
-    name, blocks = json.loads(got)
-    return name, blocks
+    import ray
+
+    name, actor = _actor("draft")
+    return name, ray.get(actor.status.remote(), timeout=10)["blocks_proposed"]
 
 
 def _diff(want: list[int], got: list[int]) -> tuple[int, int]:
@@ -186,15 +178,15 @@ class Chaos:
         return back[0] if back else None
 
     def run_kill(self, role: str, ray_address: str) -> dict:
-        before = draft_blocks(ray_address) if role == "draft" else None
+        before = draft_blocks() if role == "draft" else None
         start = time.monotonic()
-        kill(ray_address, role)
+        kill(role)
         record = {"role": role, "at_s": round(start - self.t0, 1)}
         deadline = start + 120
         if role == "draft":  # health must stay SERVING; wait for drafting to resume
             while time.monotonic() < deadline:
                 try:
-                    name, blocks = draft_blocks(ray_address)
+                    name, blocks = draft_blocks()
                     if name != before[0] and blocks > 0:
                         break
                 except Exception:
@@ -234,6 +226,9 @@ class Chaos:
         )
         try:
             server.wait_ready()
+            import ray
+
+            ray.init(address=server.ray_address(), log_to_driver=False, configure_logging=False)
             ray_address = server.ray_address()
             schedule = ["draft", "rank1", "rank0"] * self.args.kills
             self.rng.shuffle(schedule)
@@ -254,6 +249,9 @@ class Chaos:
                 t.join(timeout=600)
             duration = time.monotonic() - self.t0
         finally:
+            import ray
+
+            ray.shutdown()
             server.stop()
         return self.report(duration)
 
@@ -316,6 +314,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.clients, args.kills, args.gap = 4, 1, 12.0
+    import os
+
+    from cactus.environment import RAY_ENV
+
+    for key, value in RAY_ENV.items():  # as the server has them (auth off, loopback)
+        os.environ.setdefault(key, value)
     import torch
 
     torch.set_num_threads(1)

@@ -137,6 +137,7 @@ def write_report(
     settings,
     extra_plots=(),
     command="",
+    chaos="",
 ) -> None:
     plots = [*extra_plots, *_plots(path, quality, load)]
     lines = [
@@ -171,7 +172,11 @@ def write_report(
         "",
         *(_load_table(load) if load else ["(skipped)"]),
         "",
-        "## 4. Plots",
+        "## 4. Chaos: engine actors killed under streaming load",
+        "",
+        chaos or "(skipped)",
+        "",
+        "## 5. Plots",
         "",
         *[f"![{name}]({name})" for name in plots],
         "",

@@ -9,7 +9,8 @@ never hand-edited). Phases:
      embedded pair and on a Qwen3-shaped pair with a 151,936-token vocabulary
   2. quality vs speed on held-out function completions (benchmarks/quality.py)
   3. serving load: 1/4/8/16 concurrent streaming gRPC clients (benchmarks/load.py)
-  4. plots
+  4. chaos: engine actors killed under streaming load (benchmarks/bench_chaos.py)
+  5. plots
 --quick finishes in under 10 minutes on 2 cores; --tiny (used by the test suite) in
 well under a minute.
 """
@@ -132,6 +133,19 @@ def load_phase(mode: str):
     return [summary(r) for r in results]
 
 
+def chaos_phase(mode: str) -> str:
+    """The chaos benchmark as `make bench-chaos` runs it (--quick in quick mode)."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_chaos", *(["--quick"] if mode != "full" else [])]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
+    if not table:
+        tail = proc.stderr.strip().splitlines()[-1:]
+        return f"(failed, exit {proc.returncode}: {tail})"
+    return f"`python -m benchmarks.bench_chaos{' --quick' if mode != 'full' else ''}`\n\n" + (
+        "\n".join(table)
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
@@ -141,6 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-chaos", action="store_true")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
     from cactus.environment import RAY_ENV
@@ -157,6 +172,7 @@ def main(argv=None) -> int:
     micro_text, micro_plots = ("", []) if args.skip_micro else micro(mode, path.with_suffix(""))
     tasks, quality = ([], []) if args.skip_quality else quality_phase(mode)
     load = [] if args.skip_load else load_phase(mode)
+    chaos = "" if args.skip_chaos or mode == "tiny" else chaos_phase(mode)
 
     from benchmarks.report import write_report
 
@@ -173,6 +189,7 @@ def main(argv=None) -> int:
         settings=SETTINGS[mode],
         extra_plots=micro_plots,
         command=" ".join(sys.argv[1:]),
+        chaos=chaos,
     )
     print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return 0
