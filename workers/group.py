@@ -9,6 +9,7 @@ Callers talk to rank 0: `generate`, `stream`, `cancel`.
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -108,6 +109,8 @@ class EngineGroup:
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
+        # replace_draft and restart_ranks run on the supervisor's threads: one at a time
+        self._restarting = threading.Lock()
         self.rank_generation = 0  # bumped by every gang restart of the ranks
         self.draft_generation = 0  # bumped by every replacement of the draft actor
 
@@ -200,6 +203,10 @@ class EngineGroup:
     def replace_draft(self) -> None:
         """A new draft actor in the old one's bundle; rank 0 switches to it and re-opens
         the draft sessions of its running requests, which then speculate again."""
+        with self._restarting:
+            self._replace_draft()
+
+    def _replace_draft(self) -> None:
         old, self.draft = self.draft, None
         with contextlib.suppress(Exception):
             ray.kill(old)
@@ -214,6 +221,10 @@ class EngineGroup:
         """Gang restart: every rank is killed and started again in the same bundle (a
         broken TP group cannot take a new member); the draft actor drops the old
         engine's sessions. In-flight requests are resumed by the caller."""
+        with self._restarting:
+            self._restart_ranks()
+
+    def _restart_ranks(self) -> None:
         for actor in self.ranks:
             with contextlib.suppress(Exception):
                 ray.kill(actor)

@@ -103,4 +103,7 @@ class ServingEngine(Protocol):
         """Stop a request at its next step and free its rows (unknown id: no-op)."""
 
     async def ahealthy(self, timeout_s: float = 10.0) -> bool:
-        """True when every actor of the engine answers."""
+        """True while the engine serves (grpc.health.v1 SERVING). The supervisor
+        (workers/supervisor.py) answers from its state at once: False while the ranks
+        restart, True while a dead draft actor is being replaced. An engine may also
+        have `alive()` (False: give up, Serve replaces the replica) and `stats()`."""

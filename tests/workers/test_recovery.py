@@ -151,21 +151,27 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
         tasks = [
             asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks, strict=True)
         ]
+        unary = asyncio.create_task(sup.agenerate(unary_req))  # nothing sent: runs again
         while not all(chunks):
             await asyncio.sleep(0.01)
         killed = time.monotonic()
         ray.kill(group.ranks[victim])
         await asyncio.gather(*tasks)
+        unary_result = await unary
         # A request that arrives after the restart is served normally.
         late = await sup.agenerate(
             _req(prompts[0], f"k{victim}-late", temperature=0.0, max_tokens=8)
         )
         stop.set()
         await poll
-        return chunks, health, killed, late
+        return chunks, health, killed, late, unary_result
 
+    unary_req = _req(prompts[0], f"k{victim}-unary", temperature=0.7, seed=5, max_tokens=80)
     try:
-        chunks, health, killed, late = asyncio.run(scenario())
+        chunks, health, killed, late, unary_result = asyncio.run(scenario())
+        # A seeded unary request that was running gives exactly its uninterrupted result.
+        assert unary_result.token_ids == _uninterrupted(embedded_engine, unary_req).token_ids
+        assert unary_result.request_id == unary_req.request_id and unary_result.seed == 5
         _check_streams(reqs, chunks, embedded_engine)
         assert any(got[-1].result.stats.resumed for got in chunks)
         assert sup.counters["rank_restarts"] == 1 and sup.state == "SERVING"
