@@ -72,12 +72,15 @@ PORT ?= 9000
 # Serve the embedded models: local Ray head on loopback, gRPC on 127.0.0.1:$(PORT).
 # Ctrl-C shuts everything down; `make stop` stops a detached run.
 serve: setup
-	$(PY) -m deployments.serve --config $(CONFIG) --port $(PORT)
+	$(PY) -m deployments.serve --config $(CONFIG) --port $(PORT) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
 
+# Stops the server on PORT (one pid file per gRPC port).
 stop:
-	@if [ -f $(CACHE)/serve.pid ]; then kill -INT $$(cat $(CACHE)/serve.pid); \
-	  while kill -0 $$(cat $(CACHE)/serve.pid 2>/dev/null) 2>/dev/null; do sleep 1; done; \
-	  echo stopped; else echo "no server running"; fi
+	@pid=$(CACHE)/serve-$(PORT).pid; \
+	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null; then kill -INT $$(cat $$pid); \
+	  while kill -0 $$(cat $$pid 2>/dev/null) 2>/dev/null; do sleep 1; done; \
+	  echo "stopped the server on port $(PORT)"; \
+	else rm -f $$pid; echo "no server running on port $(PORT)"; fi
 
 PROMPT ?= def fibonacci(n):
 generate: setup

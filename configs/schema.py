@@ -165,7 +165,13 @@ class ServeConfig:
     batching: BatchingConfig = doc("continuous batching", default_factory=BatchingConfig)
     recovery: RecoveryConfig = doc("engine actor failures", default_factory=RecoveryConfig)
     autoscaling: AutoscalingConfig = doc("replica autoscaling", default_factory=AutoscalingConfig)
-    grpc_port: int = doc("public gRPC port (the Serve proxy listens on it)", 9000)
+    grpc_port: int = doc(
+        "public gRPC port (Ray Serve's gRPC proxy listens on it on every interface)", 9000
+    )
+    http_port: int = doc("OpenAI-compatible HTTP port (/v1/completions, ...)", 8000)
+    http_host: str = doc(
+        "interface the HTTP port listens on (0.0.0.0: every interface)", "127.0.0.1"
+    )
     app_name: str = doc("Serve application name", "cactus")
     shm_allreduce: bool = doc("DeepSpeed shared-memory all-reduce on CPU (JIT-compiled)", False)
 
@@ -346,6 +352,8 @@ def validate(c: ServeConfig) -> None:
     )
     _check(a.target_ongoing_requests > 0, "autoscaling.target_ongoing_requests", "must be > 0")
     _check(0 < c.grpc_port < 65536, "grpc_port", f"must be a TCP port, got {c.grpc_port}")
+    _check(0 < c.http_port < 65536, "http_port", f"must be a TCP port, got {c.http_port}")
+    _check(c.http_port != c.grpc_port, "http_port", "must differ from grpc_port")
     _check(
         c.resources.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         "resources.placement_strategy",

@@ -56,7 +56,9 @@ def build_app(config: ServeConfig, *, engine=None):
         }
     else:
         options["num_replicas"] = a.min_replicas
-    deployment = serve.deployment(CactusIngress).options(**options)
+    # gRPC methods by name, and the OpenAI HTTP routes built per replica
+    # (CactusIngress.__serve_build_asgi_app__, Serve's late-bound FastAPI ingress).
+    deployment = serve.deployment(serve.ingress()(CactusIngress)).options(**options)
     return (
         deployment.bind(to_dict(config), engine)
         if engine is not None
@@ -67,7 +69,8 @@ def build_app(config: ServeConfig, *, engine=None):
 def start_serve(
     config: ServeConfig, *, http_port: int | None = None, proxy_location: str = "EveryNode"
 ) -> None:
-    """serve.start with the public gRPC API on config.grpc_port (HTTP on loopback).
+    """serve.start with the public gRPC API on config.grpc_port (every interface: Ray
+    Serve's gRPC proxy cannot bind one) and the HTTP API on config.http_host:http_port.
 
     proxy_location "HeadOnly" when several Ray nodes share one machine (tests): every
     node's proxy would otherwise bind the same gRPC port."""
@@ -76,16 +79,10 @@ def start_serve(
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.limits.max_message_bytes))
     serve.start(
         proxy_location=proxy_location,
-        http_options=HTTPOptions(host="127.0.0.1", port=http_port or _free_port()),
+        http_options=HTTPOptions(host=config.http_host, port=http_port or config.http_port),
         grpc_options=gRPCOptions(
             port=config.grpc_port,
             grpc_servicer_functions=GRPC_SERVICERS,
             request_timeout_s=config.limits.request_timeout_s or None,
         ),
     )
-
-
-def _free_port() -> int:
-    from workers.tp_verifier import free_port
-
-    return free_port()

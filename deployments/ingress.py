@@ -24,6 +24,7 @@ import logging
 import secrets
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 
@@ -187,6 +188,7 @@ class CactusIngress:
         self.token = self.config.auth.resolved_token()
         self.metrics = ServiceMetrics()
         self._engine_seen: dict = {}
+        self.started = int(time.time())
 
     def _start_engine(self):
         import ray
@@ -216,13 +218,28 @@ class CactusIngress:
     # ---- the shim's duties ----------------------------------------------------------
 
     def _authorize(self, grpc_context) -> None:
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context else {}
+        self.authorize(metadata.get("authorization", ""))
+
+    def authorize(self, header: str) -> None:
+        """The bearer token check of both APIs (gRPC metadata, HTTP Authorization)."""
         if not self.token:
             return
-        metadata = dict(grpc_context.invocation_metadata()) if grpc_context else {}
-        given = metadata.get("authorization", "")
         expected = f"Bearer {self.token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(header.encode(), expected.encode()):
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    @property
+    def model_name(self) -> str:
+        """The name /v1/models serves: the verifier checkpoint's folder name."""
+        return Path(self.config.models.verifier).name
+
+    def __serve_build_asgi_app__(self):
+        """Ray Serve's late-bound HTTP ingress: the OpenAI-compatible routes
+        (deployments/openai_api.py) over this replica's engine."""
+        from deployments.openai_api import build_routes
+
+        return build_routes(self, tokenize, logger)
 
     def _prepare(self, msg, grpc_context) -> GenerationRequest:
         self._authorize(grpc_context)

@@ -18,21 +18,31 @@ from pathlib import Path
 
 from cactus.environment import RAY_ENV
 
-PIDFILE = Path(__file__).resolve().parent.parent / ".cache" / "serve.pid"
+CACHE = Path(__file__).resolve().parent.parent / ".cache"
+
+
+def pidfile(grpc_port: int) -> Path:
+    """One pid file per gRPC port: `make stop PORT=...` stops that server only."""
+    return CACHE / f"serve-{grpc_port}.pid"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--port", type=int, default=None, help="gRPC port (overrides config)")
+    parser.add_argument("--http-port", type=int, default=None, help="HTTP port (overrides config)")
     parser.add_argument("--num-cpus", type=float, default=None, help="Ray CPUs (default: all)")
     args = parser.parse_args(argv)
 
     from configs.schema import ConfigError, load_config
 
     try:
-        overrides = {"grpc_port": args.port} if args.port else None
-        config = load_config(args.config, overrides)
+        overrides = {}
+        if args.port:
+            overrides["grpc_port"] = args.port
+        if args.http_port:
+            overrides["http_port"] = args.http_port
+        config = load_config(args.config, overrides or None)
     except (ConfigError, OSError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -58,10 +68,12 @@ def main(argv=None) -> int:
         start = time.monotonic()
         start_serve(config)
         serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
-        PIDFILE.parent.mkdir(exist_ok=True)
-        PIDFILE.write_text(str(os.getpid()))
+        pid_path = pidfile(config.grpc_port)
+        pid_path.parent.mkdir(exist_ok=True)
+        pid_path.write_text(str(os.getpid()))
         print(
             f"READY cactus gRPC on 127.0.0.1:{config.grpc_port} "
+            f"HTTP on {config.http_host}:{config.http_port} "
             f"(app {config.app_name!r}, tp_size {config.tp_size}, "
             f"started in {time.monotonic() - start:.1f}s, "
             f"ray {ray.get_runtime_context().gcs_address})",
@@ -72,13 +84,30 @@ def main(argv=None) -> int:
             "--prompt 'def fibonacci(n):' --stream",
             flush=True,
         )
+        print(
+            f"  listening: gRPC on every interface ([::]:{config.grpc_port}; Ray Serve's "
+            f"gRPC proxy cannot bind one), OpenAI HTTP on {config.http_host}:"
+            f"{config.http_port} (base_url http://127.0.0.1:{config.http_port}/v1)",
+            flush=True,
+        )
+        if not config.auth.resolved_token():
+            print(
+                "WARNING: auth is off and the gRPC port is reachable from other hosts"
+                + (
+                    " (and so is HTTP)"
+                    if config.http_host not in ("127.0.0.1", "localhost")
+                    else ""
+                )
+                + f"; set auth.token in the config or export {config.auth.token_env}=<token>",
+                flush=True,
+            )
         while not stop.wait(timeout=1.0):
             pass
         print("shutting down", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
-        PIDFILE.unlink(missing_ok=True)
+        pidfile(config.grpc_port).unlink(missing_ok=True)
     return 0
 
 

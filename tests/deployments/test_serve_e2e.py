@@ -32,8 +32,14 @@ TOKEN = "test-token-0123"
 
 
 class Server:
-    def __init__(self, proc, address, ray_address):
+    def __init__(self, proc, address, ray_address, http_port=None):
         self.proc, self.address, self.ray_address = proc, address, ray_address
+        self.base_url = f"http://127.0.0.1:{http_port}/v1"
+
+    def openai(self, token=TOKEN):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=token, max_retries=0, timeout=120)
 
     def client(self, token=TOKEN, **kw) -> CactusClient:
         return CactusClient(self.address, token=token, timeout=120, **kw)
@@ -58,11 +64,12 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     verifier, draft = embedded_dirs()
-    port = free_port()
+    port, http_port = free_port(), free_port()
     config = {
         "models": {"verifier": verifier, "draft": draft},
         "tp_size": 2,
         "grpc_port": port,
+        "http_port": http_port,
         "auth": {"token": TOKEN},
         "limits": {
             "max_ongoing_requests": 2,
@@ -82,7 +89,8 @@ def server(tmp_path_factory):
     )
     ready = _wait_ready(proc, timeout_s=300)
     ray_address = re.search(r"ray (\S+)\)", ready).group(1)
-    yield Server(proc, f"127.0.0.1:{port}", ray_address)
+    assert f"HTTP on 127.0.0.1:{http_port}" in ready
+    yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0
 
@@ -250,6 +258,85 @@ def test_cancel_mid_stream_frees_the_caches(server):
         if i == 2:
             client.last_call.cancel()
             break
+    deadline = time.monotonic() + 60
+    counts = server.cache_counts()
+    while time.monotonic() < deadline:
+        counts = server.cache_counts()
+        if all(v == 0 for engine in counts.values() for v in engine.values()):
+            break
+        time.sleep(1)
+    assert counts and all(v == 0 for engine in counts.values() for v in engine.values()), counts
+
+
+def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_prompts):
+    """The official openai client against the HTTP port of the same server: the same
+    seeded request gives the same tokens as over gRPC, streamed or not; greedy equals
+    the verifier's own decoding; errors are OpenAI-shaped."""
+    import openai
+
+    client = server.openai()
+    model = client.models.list().data[0].id
+    prompt = heldout_prompts[5]
+    extra = {"rule": "cactus", "delta": 1.0, "top_k": 30, "num_speculative_tokens": 4}
+    kw = {"max_tokens": 20, "temperature": 0.8, "seed": 321}
+    http = client.completions.create(model=model, prompt=prompt, extra_body=extra, **kw)
+    grpc_reply = server.client().generate(prompt, top_k=30, rule="cactus", delta=1.0, **kw)
+    assert http.choices[0].text == grpc_reply.text
+    assert http.usage.completion_tokens == len(grpc_reply.token_ids)
+    assert http.model_extra["cactus"]["num_drafts"] == grpc_reply.stats.num_drafts
+    streamed = client.completions.create(
+        model=model,
+        prompt=prompt,
+        extra_body=extra,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == grpc_reply.text
+    assert chunks[-1].usage.completion_tokens == len(grpc_reply.token_ids)
+    greedy = client.completions.create(
+        model=model, prompt=prompt, max_tokens=16, temperature=0.0, extra_body=extra
+    )
+    want = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=16, temperature=0.0),
+            speculation=SpeculationParams(rule="none"),
+        )
+    )
+    assert greedy.choices[0].text == want.text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=prompt, n=2)
+    assert err.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=prompt, extra_body={"delta": 9.0})
+    assert err.value.body["param"] == "delta"
+    with pytest.raises(openai.AuthenticationError):
+        server.openai(token="wrong").completions.create(model=model, prompt=prompt)
+    with pytest.raises(openai.BadRequestError) as err:  # the embedded tokenizer has none
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
+    assert "chat template" in err.value.body["message"]
+
+
+def test_an_http_client_that_goes_away_frees_its_request(server):
+    import httpx2
+
+    with (
+        httpx2.Client(timeout=120) as http,
+        http.stream(
+            "POST",
+            f"{server.base_url}/completions",
+            json={"prompt": "class Foo:", "max_tokens": 400, "temperature": 1.0, "stream": True},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as reply,
+    ):
+        assert reply.status_code == 200
+        lines = 0
+        for line in reply.iter_lines():
+            lines += line.startswith("data: ")
+            if lines == 3:
+                break  # leave with the stream open: the connection is closed
     deadline = time.monotonic() + 60
     counts = server.cache_counts()
     while time.monotonic() < deadline:

@@ -1,0 +1,452 @@
+"""OpenAI-compatible HTTP routes, served by the same replica as the gRPC API.
+
+    GET  /v1/models
+    POST /v1/completions
+    POST /v1/chat/completions     (the tokenizer's chat template; none: 400)
+
+The request bodies follow OpenAI's API as vLLM serves it: `max_tokens`, `temperature`,
+`top_p`, `seed`, `stop`, `n` (1 only), `stream` (server-sent events ending in
+`data: [DONE]`), `stream_options.include_usage`, plus vLLM's `top_k` and this project's
+extras (`rule`, `delta`, `num_speculative_tokens`, `max_divergence_nats`), which an
+OpenAI client passes as `extra_body`. Responses add a `cactus` object with the
+speculation statistics and `divergence_nats`. Validation is the gRPC path's (one
+validator: cactus.params.validate_request); errors are OpenAI-shaped,
+`{"error": {"message", "type", "param", "code"}}`, with the matching HTTP status. The
+same bearer token as gRPC (`Authorization: Bearer ...`). A client that goes away
+cancels its request (freed within one engine step).
+
+Built per replica by CactusIngress.__serve_build_asgi_app__ (Ray Serve's late-bound
+FastAPI ingress), so the routes share the replica's engine, tokenizer and limits.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cactus.errors import InvalidRequestError, is_unavailable, unwrap
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+
+FINISH = {
+    "LENGTH": "length",
+    "TIME_LIMIT": "length",
+    "EOS": "stop",
+    "STOP": "stop",
+    "STOP_SEQUENCE": "stop",
+    "ABORT": "abort",
+}
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
+    grpc.StatusCode.UNAUTHENTICATED: HTTPStatus.UNAUTHORIZED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: HTTPStatus.TOO_MANY_REQUESTS,
+    grpc.StatusCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+}
+_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+    500: "server_error",
+}
+# Fields a body may carry. Others get a 400 naming them (a typo must not pass silently).
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+    "rule",
+    "delta",
+    "num_speculative_tokens",
+    "max_divergence_nats",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix", "logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = int(status), message, param, code
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPE.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def as_openai_error(err: BaseException, request_id: str = "") -> OpenAIError:
+    """Any failure -> OpenAIError, the way the gRPC path maps it to a status."""
+    err = unwrap(err)
+    if isinstance(err, OpenAIError):
+        return err
+    if isinstance(err, InvalidRequestError):
+        return OpenAIError(400, str(err), param=err.field)
+    code = getattr(err, "code", None)
+    if isinstance(code, grpc.StatusCode):  # the shim's RequestError
+        status = _STATUS.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
+        return OpenAIError(status, getattr(err, "details", str(err)))
+    if is_unavailable(err):
+        return OpenAIError(503, "engine unavailable; retry later")
+    return OpenAIError(500, f"internal error (request {request_id})")
+
+
+# ---- request bodies -> GenerationRequest ------------------------------------------------
+
+
+def _number(body: dict, name: str, default, *, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(name, f"must be a number, got {value!r}")
+    if integer and not (isinstance(value, int) or float(value).is_integer()):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise InvalidRequestError("stop", "must be a string or a list of strings")
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    for name in body:
+        if name not in allowed:
+            raise InvalidRequestError(name, "unknown field")
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise InvalidRequestError("n", f"only n = 1 is supported, got {n!r}")
+    if body.get("best_of") not in (None, 1):
+        raise InvalidRequestError("best_of", "only best_of = 1 is supported")
+    if body.get("echo"):
+        raise InvalidRequestError("echo", "echo is not supported")
+    if body.get("suffix"):
+        raise InvalidRequestError("suffix", "suffix is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise InvalidRequestError(name, "penalties are not supported (use 0)")
+    if body.get("logit_bias"):
+        raise InvalidRequestError("logit_bias", "logit_bias is not supported")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+        raise InvalidRequestError("logprobs", "logprobs are not supported yet")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequestError("stream_options", "must be an object")
+
+
+def to_request(body: dict, config, *, max_tokens_field: str = "max_tokens") -> GenerationRequest:
+    """Sampling and speculation from an OpenAI body, unset fields from the config (the
+    prompt is set by the caller)."""
+    s, sp = config.sampling, config.speculation
+    max_tokens = _number(body, max_tokens_field, None, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", s.default_max_tokens, integer=True)
+    seed = _number(body, "seed", None, integer=True)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", s.default_temperature),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_number(body, "top_k", 0, integer=True),
+        seed=seed,
+        stop=_stop(body),
+    )
+    rule = body.get("rule", sp.default_rule)
+    if not isinstance(rule, str):
+        raise InvalidRequestError("rule", "must be a string")
+    divergence = body.get("max_divergence_nats")
+    speculation = SpeculationParams(
+        rule=rule,
+        delta=_number(body, "delta", sp.default_delta),
+        num_speculative_tokens=_number(
+            body, "num_speculative_tokens", sp.default_num_speculative_tokens, integer=True
+        ),
+        max_divergence_nats=None
+        if divergence is None
+        else _number(body, "max_divergence_nats", None),
+    )
+    return GenerationRequest(
+        sampling=sampling,
+        speculation=speculation,
+        request_id=f"cmpl-{secrets.token_hex(12)}",
+    )
+
+
+def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}]", "needs a string 'content'")
+        if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise InvalidRequestError(f"messages[{i}].role", f"unknown role {m.get('role')!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "messages",
+            "this model's tokenizer has no chat template; use /v1/completions with a prompt",
+        )
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def completion_prompt(body: dict) -> dict:
+    """prompt: a string, or a list of token ids (one prompt: n = 1)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # the OpenAI client sends ["text"] for a batch of one
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return {"prompt_token_ids": tuple(prompt)}
+    raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt)")
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+def cactus_stats(request: GenerationRequest, stats) -> dict:
+    return {
+        "rule": request.speculation.rule,
+        "delta": request.speculation.delta,
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "acceptance_rate": stats.acceptance_rate,
+        "divergence_nats": stats.divergence_nats,
+        "draft_failures": stats.draft_failures,
+        "resumed": stats.resumed,
+        "degraded": stats.degraded,
+    }
+
+
+def usage(result) -> dict:
+    completion = len(result.token_ids)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+    }
+
+
+def _sse(payload) -> str:
+    text = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {text}\n\n"
+
+
+class Shape:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, chat: bool, model: str, request_id: str) -> None:
+        self.chat, self.model, self.id = chat, model, request_id
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def whole(self, request, result) -> dict:
+        finish = FINISH.get(result.finish_reason, "stop")
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
+        out = self._envelope(self.object, [choice])
+        out["usage"] = usage(result)
+        out["cactus"] = cactus_stats(request, result.stats)
+        out["system_fingerprint"] = None
+        return out
+
+    def delta(self, text: str, finish: str | None, *, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, request, result) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        out = self._envelope(obj, [])
+        out["usage"] = usage(result)
+        out["cactus"] = cactus_stats(request, result.stats)
+        return out
+
+
+async def sse_events(
+    shape: Shape, request, first, rest: AsyncIterator, *, include_usage: bool, on_done, cancel
+) -> AsyncIterator[str]:
+    """Server-sent events from the engine's chunks; `first` was already awaited (so a
+    failure before the first token became an HTTP status, not an event). A client
+    that goes away cancels the request."""
+    done = False
+    try:
+        chunk, is_first = first, True
+        while chunk is not None:
+            if chunk.result is not None:
+                finish = FINISH.get(chunk.result.finish_reason, "stop")
+                event = shape.delta(chunk.text, finish, first=is_first)
+                event["cactus"] = cactus_stats(request, chunk.result.stats)
+                yield _sse(event)
+                if include_usage:
+                    yield _sse(shape.usage_chunk(request, chunk.result))
+                done = True
+                on_done(chunk.result)
+                break
+            if chunk.text or is_first:
+                yield _sse(shape.delta(chunk.text, None, first=is_first))
+                is_first = False
+            chunk = await anext(rest, None)
+        yield _sse("[DONE]")
+    except Exception as err:  # headers are out: the failure goes in the stream
+        done = True
+        yield _sse(as_openai_error(err, request.request_id).body())
+        yield _sse("[DONE]")
+    finally:
+        if not done:
+            cancel(request.request_id)
+
+
+def build_routes(ingress, tokenize, logger):
+    """The FastAPI app over a CactusIngress (its engine, tokenizer, limits, token)."""
+    from dataclasses import replace
+
+    app = FastAPI(title="cactus-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def fail(err: BaseException, request_id: str) -> JSONResponse:
+        error = as_openai_error(err, request_id)
+        if error.status >= 500 and error.status != 503:
+            logger.error("request %s failed", request_id, exc_info=unwrap(err))
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            ingress.authorize(request.headers.get("authorization", ""))
+        except Exception as err:
+            return fail(err, "")
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ingress.model_name,
+                    "object": "model",
+                    "created": ingress.started,
+                    "owned_by": "cactus",
+                    "max_model_len": ingress.info["max_context"],
+                }
+            ],
+        }
+
+    async def generate(http: Request, chat: bool):
+        import asyncio
+
+        start = time.monotonic()
+        req = None
+        try:
+            ingress.authorize(http.headers.get("authorization", ""))
+            try:
+                body = await http.json()
+            except ValueError:
+                raise InvalidRequestError("body", "must be a JSON object") from None
+            _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            model = body.get("model")
+            if model is not None and model != ingress.model_name:
+                raise OpenAIError(
+                    404,
+                    f"the model {model!r} does not exist here; GET /v1/models lists "
+                    f"{ingress.model_name!r}",
+                    param="model",
+                    code="model_not_found",
+                )
+            field = "max_completion_tokens" if chat else "max_tokens"
+            base = to_request(body, ingress.config, max_tokens_field=field)
+            if chat:
+                prompt = {"prompt_token_ids": tuple(chat_prompt_ids(body, ingress.tokenizer))}
+            else:
+                prompt = completion_prompt(body)
+            req = tokenize(replace(base, **prompt), ingress.tokenizer, ingress.limits)
+            shape = Shape(chat, ingress.model_name, req.request_id)
+            if not body.get("stream"):
+                with ingress.metrics.running():
+                    result = await ingress.engine.agenerate(req)
+                ingress.metrics.finished(req, result, start)
+                return JSONResponse(shape.whole(req, result))
+            stream = ingress.engine.astream(req)
+            first = await anext(stream)  # a failure before the first token: a status
+            options = body.get("stream_options") or {}
+            return StreamingResponse(
+                sse_events(
+                    shape,
+                    req,
+                    first,
+                    stream,
+                    include_usage=bool(options.get("include_usage")),
+                    on_done=lambda result: ingress.metrics.finished(req, result, start),
+                    cancel=ingress.engine.cancel,
+                ),
+                media_type="text/event-stream",
+            )
+        except asyncio.CancelledError:  # the client went away
+            if req is not None:
+                ingress.engine.cancel(req.request_id)
+            raise
+        except Exception as err:
+            return fail(err, req.request_id if req else "")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible routes, in-process: the official `openai` client (its async
+client over an ASGI transport) against the FastAPI app of a shim with a fake engine.
+The end-to-end tests against `make serve`'s HTTP port are in test_serve_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx2
+import openai
+import pytest
+
+from deployments.ingress import tokenize
+from deployments.openai_api import build_routes
+from tests.deployments.test_ingress import FakeEngine, _shim
+
+TOKEN = "tok-123"
+
+
+def _app(engine=None, **config):
+    shim = _shim(engine or FakeEngine(), **config)
+    return shim, build_routes(shim, tokenize, logging.getLogger("test"))
+
+
+def _client(app, token=TOKEN) -> openai.AsyncOpenAI:
+    transport = httpx2.ASGITransport(app=app)
+    return openai.AsyncOpenAI(
+        base_url="http://cactus.test/v1",
+        api_key=token,
+        http_client=httpx2.AsyncClient(transport=transport, base_url="http://cactus.test"),
+        max_retries=0,
+    )
+
+
+def _raw(app, method, path, **kw):
+    async def go():
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cactus.test") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_models_completions_and_extras_with_the_official_client(ray_session):
+    shim, app = _app()
+    client = _client(app)
+
+    async def go():
+        models = await client.models.list()
+        model = models.data[0].id
+        reply = await client.completions.create(
+            model=model,
+            prompt="def f():",
+            max_tokens=5,
+            temperature=0.5,
+            seed=7,
+            stop=["\n\n"],
+            extra_body={"rule": "sps", "delta": 0.0, "top_k": 20, "num_speculative_tokens": 3},
+        )
+        return model, reply
+
+    model, reply = asyncio.run(go())
+    assert model == "verifier"
+    assert reply.choices[0].text == "abc" and reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3 and reply.model == model
+    assert reply.model_extra["cactus"]["num_accepted_tokens"] == 2
+    req = shim.engine.seen[-1]
+    assert req.sampling.max_tokens == 5 and req.sampling.seed == 7 and req.sampling.top_k == 20
+    assert req.sampling.stop == ("\n\n",) and req.speculation.rule == "sps"
+    assert req.speculation.num_speculative_tokens == 3 and req.prompt_token_ids
+
+
+def test_streaming_is_sse_ending_in_done_with_usage_when_asked(ray_session):
+    _, app = _app()
+    client = _client(app)
+
+    async def go():
+        stream = await client.completions.create(
+            model="verifier",
+            prompt="x",
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(go())
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == "xxx"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    raw = _raw(
+        app,
+        "POST",
+        "/v1/completions",
+        json={"prompt": "x", "stream": True},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.rstrip().endswith("data: [DONE]")
+
+
+def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
+    shim, app = _app()
+    client = _client(app)
+    messages = [{"role": "user", "content": "hello"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        asyncio.run(client.chat.completions.create(model="verifier", messages=messages))
+    assert "chat template" in err.value.body["message"] and err.value.body["param"] == "messages"
+    shim.tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    reply = asyncio.run(client.chat.completions.create(model="verifier", messages=messages))
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == "abc" and reply.object == "chat.completion"
+    want = shim.tokenizer.encode("<user>hello\n<assistant>", add_special_tokens=False)
+    assert list(shim.engine.seen[-1].prompt_token_ids) == want
+
+    async def stream():
+        s = await client.chat.completions.create(model="verifier", messages=messages, stream=True)
+        return [c async for c in s]
+
+    chunks = asyncio.run(stream())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "xxx"
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "rule": "nope"}, 400, "rule"),
+        ({"prompt": "x", "delta": 99.0}, 400, "delta"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ],
+)
+def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param):
+    _, app = _app()
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    if body.get("temperature") != body.get("temperature"):  # NaN is not JSON: send it raw
+        reply = _raw(
+            app,
+            "POST",
+            "/v1/completions",
+            content=json.dumps(body).encode(),
+            headers={**headers, "content-type": "application/json"},
+        )
+    else:
+        reply = _raw(app, "POST", "/v1/completions", json=body, headers=headers)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_auth_and_engine_failures_map_to_statuses(ray_session):
+    from cactus.errors import EngineFailedError
+
+    _, app = _app(auth={"token": TOKEN})
+    for token in ("wrong", ""):
+        reply = _raw(
+            app,
+            "POST",
+            "/v1/completions",
+            json={"prompt": "x"},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+    assert _raw(app, "GET", "/v1/models").status_code == 401
+    for err, status in ((EngineFailedError("rank 1"), 503), (KeyError("bug"), 500)):
+        _, failing = _app(FakeEngine(fail=err), auth={"token": TOKEN})
+        reply = _raw(
+            failing,
+            "POST",
+            "/v1/completions",
+            json={"prompt": "x"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert reply.status_code == status and "rank 1" not in reply.text
+        assert reply.json()["error"]["type"] == "server_error"
+
+
+def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event(ray_session):
+    from cactus.errors import EngineFailedError
+
+    _, app = _app(FakeEngine(fail=EngineFailedError("gone")))
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "stream": True})
+    events = [ln[len("data: ") :] for ln in reply.text.splitlines() if ln.startswith("data: ")]
+    assert reply.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
