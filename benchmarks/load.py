@@ -57,6 +57,7 @@ class ServerProcess:
         config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
         config.update(overrides)
         config["grpc_port"] = self.port
+        self.http_port = config["http_port"] = free_port()
         self._dir = tempfile.TemporaryDirectory()
         path = Path(self._dir.name) / "serve.yaml"
         path.write_text(yaml.safe_dump(config))

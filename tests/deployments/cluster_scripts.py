@@ -53,6 +53,7 @@ def multinode(verifier: str, draft: str, prompt: str) -> dict:
             "models": {"verifier": verifier, "draft": draft},
             "tp_size": 2,
             "grpc_port": port,
+            "http_port": free_port(),
             "resources": {
                 "draft": {"num_cpus": 0.25, "resources": {"draft_node": 1}},
                 "verifier_rank": {"num_cpus": 0.25, "resources": {"verifier_node": 1}},
@@ -96,6 +97,7 @@ def autoscale(verifier: str, draft: str) -> dict:
             "models": {"verifier": verifier, "draft": draft},
             "tp_size": 1,
             "grpc_port": port,
+            "http_port": free_port(),
             "limits": {"max_ongoing_requests": 4, "max_queued_requests": 16},
             "autoscaling": {
                 "min_replicas": 1,
@@ -166,6 +168,7 @@ def exact(verifier: str, draft: str) -> dict:
         "models": {"verifier": verifier, "draft": draft},
         "tp_size": 2,
         "grpc_port": port,
+        "http_port": free_port(),
         "resources": {
             "replica": {"num_cpus": 0.25},
             "draft": {"num_cpus": 0.25},
