@@ -1,8 +1,20 @@
-"""Python client of the public gRPC API (cactus.v1)."""
+"""Python clients of the public gRPC API (cactus.v1): CactusClient (blocking) and
+AsyncCactusClient (grpc.aio), with the same methods.
+
+Both retry UNAVAILABLE (an engine restarting, a replica starting) and
+RESOURCE_EXHAUSTED (a full queue) with bounded exponential backoff and full jitter,
+within the call's deadline, and only before the first response: a stream that has
+delivered a token is never retried (the server resumes streams itself; a client retry
+would repeat tokens). Everything else is raised at once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -10,12 +22,54 @@ from protos.cactus.v1 import cactus_pb2 as pb
 from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """gRPC's retry policy fields (A6): attempts in all, backoff bounds, multiplier."""
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+    codes: tuple = RETRYABLE
+
+    def backoff(self, retry: int, rng: random.Random) -> float:
+        """Full jitter: uniform in [0, min(max, initial * multiplier ** retry)]."""
+        cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**retry)
+        return rng.uniform(0.0, cap)
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+class _Attempts:
+    """The attempts of one call: how long to wait before the next, within the deadline."""
+
+    def __init__(self, policy: RetryPolicy, timeout: float, rng: random.Random) -> None:
+        self.policy, self.rng = policy, rng
+        self.deadline = time.monotonic() + timeout
+        self.made = 0
+
+    def left_s(self) -> float:
+        return max(0.001, self.deadline - time.monotonic())
+
+    def wait_after(self, err: grpc.RpcError) -> float | None:
+        """Seconds to wait before retrying `err`, or None to raise it."""
+        self.made += 1
+        if err.code() not in self.policy.codes or self.made >= self.policy.max_attempts:
+            return None
+        pause = self.policy.backoff(self.made - 1, self.rng)
+        return pause if time.monotonic() + pause < self.deadline else None
+
 
 class CactusClient:
     """`CactusClient("127.0.0.1:9000").generate("def f(x):", max_tokens=32)`.
 
-    Every call gets a deadline (`timeout`, seconds) unless given its own; `token` is sent
-    as `authorization: Bearer <token>` metadata.
+    Every call gets a deadline (`timeout`, seconds) unless given its own, covering its
+    retries; `token` is sent as `authorization: Bearer <token>` metadata; `retry`
+    (default RetryPolicy(); NO_RETRY turns it off) applies before the first response.
     """
 
     def __init__(
@@ -24,6 +78,7 @@ class CactusClient:
         token: str | None = None,
         timeout: float = 60.0,
         max_message_bytes: int = 64 << 20,
+        retry: RetryPolicy | None = None,
     ) -> None:
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -34,6 +89,9 @@ class CactusClient:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
+        self.retry = retry or RetryPolicy()
+        self._rng = random.Random()
+        self.last_attempts = 0  # attempts the last call made (tests, logs)
 
     @staticmethod
     def request(
@@ -74,19 +132,45 @@ class CactusClient:
         return msg
 
     def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
-        return self.stub.Generate(
-            self.request(prompt, **kw), timeout=timeout or self.timeout, metadata=self.metadata
-        )
+        msg = self.request(prompt, **kw)
+        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        while True:
+            try:
+                reply = self.stub.Generate(msg, timeout=attempts.left_s(), metadata=self.metadata)
+                self.last_attempts = attempts.made + 1
+                return reply
+            except grpc.RpcError as err:
+                pause = attempts.wait_after(err)
+                self.last_attempts = attempts.made
+                if pause is None:
+                    raise
+                time.sleep(pause)
 
     def stream(
         self, prompt, *, timeout: float | None = None, **kw
     ) -> Iterator[pb.GenerateResponse]:
-        """Iterate response chunks; the call object is kept on `last_call` to cancel it."""
-        call = self.stub.GenerateStream(
-            self.request(prompt, **kw), timeout=timeout or self.timeout, metadata=self.metadata
-        )
-        self.last_call = call
-        return call
+        """Iterate response chunks; the current call is kept on `last_call` (to cancel
+        it). Retried only until the first chunk arrives."""
+        msg = self.request(prompt, **kw)
+        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        while True:
+            call = self.stub.GenerateStream(msg, timeout=attempts.left_s(), metadata=self.metadata)
+            self.last_call = call
+            try:
+                first = next(call)
+            except StopIteration:
+                return
+            except grpc.RpcError as err:
+                pause = attempts.wait_after(err)
+                self.last_attempts = attempts.made
+                if pause is None:
+                    raise
+                time.sleep(pause)
+                continue
+            self.last_attempts = attempts.made + 1
+            yield first
+            yield from call  # from here on an error is the caller's: never retried
+            return
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(
@@ -101,3 +185,93 @@ class CactusClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class AsyncCactusClient:
+    """The asyncio client (grpc.aio): the same methods as CactusClient, awaited;
+    `stream` is an async iterator. Same deadlines, token and retry policy."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        timeout: float = 60.0,
+        max_message_bytes: int = 64 << 20,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.stub = pb_grpc.CactusStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.timeout = timeout
+        self.metadata = [("authorization", f"Bearer {token}")] if token else []
+        self.retry = retry or RetryPolicy()
+        self._rng = random.Random()
+        self.last_attempts = 0
+
+    request = staticmethod(CactusClient.request)
+
+    async def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+        msg = self.request(prompt, **kw)
+        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        while True:
+            try:
+                reply = await self.stub.Generate(
+                    msg, timeout=attempts.left_s(), metadata=self.metadata
+                )
+                self.last_attempts = attempts.made + 1
+                return reply
+            except grpc.RpcError as err:
+                pause = attempts.wait_after(err)
+                self.last_attempts = attempts.made
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+
+    async def stream(
+        self, prompt, *, timeout: float | None = None, **kw
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Async-iterate response chunks; retried only until the first chunk arrives.
+        Leaving the loop early (break, cancellation) cancels the call."""
+        msg = self.request(prompt, **kw)
+        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        while True:
+            call = self.stub.GenerateStream(msg, timeout=attempts.left_s(), metadata=self.metadata)
+            self.last_call = call
+            try:
+                try:
+                    first = await call.read()
+                except grpc.RpcError as err:
+                    pause = attempts.wait_after(err)
+                    self.last_attempts = attempts.made
+                    if pause is None:
+                        raise
+                    await asyncio.sleep(pause)
+                    continue
+                if first is grpc.aio.EOF:
+                    return
+                self.last_attempts = attempts.made + 1
+                yield first
+                while (chunk := await call.read()) is not grpc.aio.EOF:
+                    yield chunk
+                return
+            finally:
+                if not call.done():
+                    call.cancel()
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(
+            pb.ModelInfoRequest(), timeout=self.timeout, metadata=self.metadata
+        )
+
+    async def health(self) -> str:
+        reply = await self.health_stub.Check(
+            health_pb2.HealthCheckRequest(), timeout=self.timeout, metadata=self.metadata
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
-from client import CactusClient
+from client import NO_RETRY, CactusClient
 from tests.conftest import embedded_dirs
 from workers.tp_verifier import free_port
 
@@ -221,12 +221,13 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server):
     calls = []
 
     def run(i):
-        client = server.client()
+        client = server.client(retry=NO_RETRY)  # the server's own answer, not a retry's
         try:
-            stream = client.stream("def f(x):", max_tokens=300, seed=i, temperature=1.0)
-            calls.append(client.last_call)
-            for _ in stream:
-                pass
+            for n, _ in enumerate(
+                client.stream("def f(x):", max_tokens=300, seed=i, temperature=1.0)
+            ):
+                if n == 0:
+                    calls.append(client.last_call)
             codes.append(grpc.StatusCode.OK)
         except grpc.RpcError as err:
             codes.append(err.code())
@@ -317,6 +318,29 @@ def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_p
     with pytest.raises(openai.BadRequestError) as err:  # the embedded tokenizer has none
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
     assert "chat template" in err.value.body["message"]
+
+
+def test_the_asyncio_client_matches_the_blocking_one(server):
+    import asyncio
+
+    from client import AsyncCactusClient
+
+    kw = {"max_tokens": 12, "temperature": 0.7, "seed": 99, "rule": "cactus", "delta": 1.0}
+    want = server.client().generate("def g(y):", **kw)
+
+    async def run():
+        client = AsyncCactusClient(server.address, token=TOKEN, timeout=120)
+        try:
+            unary = await client.generate("def g(y):", **kw)
+            chunks = [c async for c in client.stream("def g(y):", **kw)]
+            return unary, chunks, await client.health()
+        finally:
+            await client.close()
+
+    unary, chunks, health = asyncio.run(run())
+    assert list(unary.token_ids) == list(want.token_ids) and unary.text == want.text
+    assert [t for c in chunks for t in c.token_ids] == list(want.token_ids)
+    assert health == "SERVING"
 
 
 def test_an_http_client_that_goes_away_frees_its_request(server):

@@ -1,0 +1,132 @@
+"""Client retries against a real gRPC server on 127.0.0.1 that fails on purpose: both
+clients retry UNAVAILABLE and RESOURCE_EXHAUSTED before the first response, with
+bounded backoff inside the deadline, never after a streamed token, never other codes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+
+from client import NO_RETRY, AsyncCactusClient, CactusClient, RetryPolicy
+from protos.cactus.v1 import cactus_pb2 as pb
+from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
+
+FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+class Flaky(pb_grpc.CactusServicer):
+    """Fails the first `failures` calls with `code`; a stream may fail after its first
+    chunk instead (`fail_mid_stream`)."""
+
+    def __init__(self) -> None:
+        self.failures, self.code, self.fail_mid_stream = 0, grpc.StatusCode.UNAVAILABLE, False
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def _maybe_fail(self, context) -> None:
+        with self.lock:
+            self.calls += 1
+            failing = self.calls <= self.failures
+        if failing:
+            context.abort(self.code, "try again")
+
+    def Generate(self, request, context):
+        self._maybe_fail(context)
+        return pb.GenerateResponse(request_id="r", text="ok", token_ids=[1, 2])
+
+    def GenerateStream(self, request, context):
+        self._maybe_fail(context)
+        yield pb.GenerateResponse(request_id="r", text="a", token_ids=[1])
+        if self.fail_mid_stream:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "engine restarting")
+        yield pb.GenerateResponse(request_id="r", text="b", token_ids=[2], finish_reason="LENGTH")
+
+
+@pytest.fixture()
+def flaky():
+    servicer = Flaky()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_CactusServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_both_clients_retry_before_the_first_response(flaky, code):
+    servicer, address = flaky
+    servicer.failures, servicer.code = 2, code
+    client = CactusClient(address, retry=FAST, timeout=10)
+    assert client.generate("x").text == "ok" and client.last_attempts == 3
+    servicer.calls = 0
+    assert [c.text for c in client.stream("x")] == ["a", "b"] and client.last_attempts == 3
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        servicer.calls = 0
+        reply = await aclient.generate("x")
+        unary = aclient.last_attempts
+        servicer.calls = 0
+        texts = [c.text async for c in aclient.stream("x")]
+        await aclient.close()
+        return reply.text, unary, texts, aclient.last_attempts
+
+    assert asyncio.run(run()) == ("ok", 3, ["a", "b"], 3)
+
+
+def test_attempts_are_bounded_and_other_codes_are_not_retried(flaky):
+    servicer, address = flaky
+    servicer.failures = 100
+    client = CactusClient(address, retry=FAST, timeout=10)
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate("x")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and servicer.calls == 4
+    servicer.calls, servicer.code = 0, grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream("x"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and servicer.calls == 1
+    servicer.calls, servicer.code = 0, grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError):
+        CactusClient(address, retry=NO_RETRY).generate("x")
+    assert servicer.calls == 1
+
+
+def test_a_stream_is_never_retried_after_a_token(flaky):
+    servicer, address = flaky
+    servicer.fail_mid_stream = True
+    client = CactusClient(address, retry=FAST, timeout=10)
+    got = []
+    with pytest.raises(grpc.RpcError) as err:
+        for chunk in client.stream("x"):
+            got.append(chunk.text)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert got == ["a"] and servicer.calls == 1  # no second call: "a" is not repeated
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        servicer.calls = 0
+        seen = []
+        try:
+            async for chunk in aclient.stream("x"):
+                seen.append(chunk.text)
+        except grpc.RpcError as e:
+            seen.append(e.code())
+        await aclient.close()
+        return seen
+
+    assert asyncio.run(run()) == ["a", grpc.StatusCode.UNAVAILABLE] and servicer.calls == 1
+
+
+def test_backoff_is_full_jitter_under_the_cap():
+    policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=1.0, multiplier=2.0)
+    rng = random.Random(0)
+    for retry, cap in [(0, 0.1), (1, 0.2), (3, 0.8), (6, 1.0)]:
+        draws = [policy.backoff(retry, rng) for _ in range(200)]
+        assert min(draws) >= 0.0 and max(draws) <= cap
+        assert max(draws) > 0.8 * cap  # it does spread over the range
