@@ -11,7 +11,7 @@ from deployments.ingress import CactusIngress, group_config
 
 GRPC_SERVICERS = [
     "protos.cactus.v1.cactus_pb2_grpc.add_CactusServicer_to_server",
-    "protos.grpc.health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",  # grpcio-health-checking
 ]
 
 

@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from cactus.errors import InvalidRequestError, is_unavailable, unwrap
 from cactus.params import (
@@ -39,7 +40,6 @@ from cactus.params import (
 from configs.schema import ServeConfig, from_dict
 from deployments.metrics import ServiceMetrics
 from protos.cactus.v1 import cactus_pb2 as pb
-from protos.grpc.health.v1 import health_pb2
 
 logger = logging.getLogger("cactus.ingress")
 
@@ -338,13 +338,42 @@ class CactusIngress:
             tp_size=self.info.get("tp_size", self.config.tp_size),
         )
 
-    async def Check(self, request, grpc_context=None):
-        """grpc.health.v1: NOT_SERVING while the engine's ranks restart. It reads the
-        supervisor's state and answers at once; a dead draft actor (being replaced,
-        requests degraded) is still SERVING."""
-        healthy = await self.engine.ahealthy()
+    SERVICES = ("", "cactus.v1.Cactus", "grpc.health.v1.Health")
+
+    async def _status(self) -> int:
         status = health_pb2.HealthCheckResponse
-        return status(status=status.SERVING if healthy else status.NOT_SERVING)
+        return status.SERVING if await self.engine.ahealthy() else status.NOT_SERVING
+
+    async def Check(self, request, grpc_context=None):
+        """grpc.health.v1 (the grpcio-health-checking service): NOT_SERVING while the
+        engine's ranks restart. It reads the supervisor's state and answers at once; a
+        dead draft actor (being replaced, requests degraded) is still SERVING."""
+        if request.service not in self.SERVICES:
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=await self._status())
+
+    async def List(self, request, grpc_context=None):
+        status = await self._status()
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name in self.SERVICES
+                if name
+            }
+        )
+
+    async def Watch(self, request, grpc_context=None):
+        """The status now, then every change (checked every 0.5 s)."""
+        last = None
+        while True:
+            status = await self._status()
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            await asyncio.sleep(0.5)
 
     async def check_health(self) -> None:
         """Serve's replica health check. A restarting engine is not a reason to replace

@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from cactus.errors import EngineFailedError, WorkerUnavailableError
 from cactus.params import GenerationRequest
@@ -140,9 +141,11 @@ def test_auth_and_health(ray_session):
     ctx = Ctx((("authorization", "Bearer t0k"),))
     assert asyncio.run(shim.Generate(CactusClient.request("x"), ctx)).text == "abc"
     assert ctx.code is None
-    assert asyncio.run(shim.Check(None, ctx)).status == 1  # SERVING
+    assert asyncio.run(shim.Check(health_pb2.HealthCheckRequest(), ctx)).status == 1  # SERVING
     sick = _shim(FakeEngine(fail=RuntimeError("down")))
-    assert asyncio.run(sick.Check(None, Ctx())).status == 2  # NOT_SERVING
+    assert (
+        asyncio.run(sick.Check(health_pb2.HealthCheckRequest(), Ctx())).status == 2
+    )  # NOT_SERVING
 
 
 def test_the_replica_reserves_each_engine_actor_once():

@@ -320,6 +320,28 @@ def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_p
     assert "chat template" in err.value.body["message"]
 
 
+def test_reflection_lists_the_services_and_health_is_the_standard_one(server):
+    """What `grpcurl -plaintext 127.0.0.1:PORT list` shows (Ray Serve's proxy serves
+    reflection), and the grpcio-health-checking service's Check / List."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(server.address) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {"cactus.v1.Cactus", "grpc.health.v1.Health"} <= services, services
+        stub = health_pb2_grpc.HealthStub(channel)
+        auth = [("authorization", f"Bearer {TOKEN}")]
+        check = stub.Check(health_pb2.HealthCheckRequest(service="cactus.v1.Cactus"), metadata=auth)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        listed = stub.List(health_pb2.HealthListRequest(), metadata=auth)
+        assert set(listed.statuses) >= {"cactus.v1.Cactus"}
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope.v1.X"), metadata=auth)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_the_asyncio_client_matches_the_blocking_one(server):
     import asyncio
 
