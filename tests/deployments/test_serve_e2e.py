@@ -6,6 +6,7 @@ limits), in a subprocess with its own Ray head; the test talks to it on 127.0.0.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -481,3 +482,96 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     back = [at for s, at in after_rank if s == "SERVING"]
     assert back and back[-1] - rank_killed < 60
     assert client.generate("def f():", max_tokens=4).finish_reason == "LENGTH"
+
+
+DOCUMENTED_METRICS = [
+    "cactus_spec_decode_num_drafts",
+    "cactus_spec_decode_num_draft_tokens",
+    "cactus_spec_decode_num_accepted_tokens",
+    "cactus_spec_decode_num_accepted_tokens_per_pos",
+    "cactus_divergence_nats",
+    "cactus_draft_failures",
+    "cactus_degraded_requests",
+    "cactus_resumed_requests",
+    "cactus_engine_restarts",
+    "cactus_engine_serving",
+    "cactus_requests",
+    "cactus_prompt_tokens",
+    "cactus_generation_tokens",
+    "cactus_time_to_first_token_s",
+    "cactus_inter_token_latency_s",
+    "cactus_e2e_latency_s",
+    "cactus_running_requests",
+    "cactus_num_requests_running",
+    "cactus_num_requests_waiting",
+    "cactus_batch_size",
+]
+
+
+def _scrape(server) -> dict[str, float]:
+    """Every sample of the server's Prometheus endpoint (Ray's metrics export port)
+    whose name starts with ray_cactus_, summed over label sets except `position`."""
+    import urllib.request
+
+    code = (
+        f"import ray; ray.init(address={server.ray_address!r}, log_to_driver=False);"
+        "print(max(n['MetricsExportPort'] for n in ray.nodes() if n['Alive']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    port = int(out.stdout.strip().splitlines()[-1])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("ray_cactus_"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        position = re.search(r'position="(\d+)"', name_labels)
+        if position:
+            name = f"{name}[{position.group(1)}]"
+        samples[name] = samples.get(name, 0.0) + float(value)
+    return samples
+
+
+def test_every_documented_metric_is_scraped_with_plausible_values(server):
+    """Runs after the kill test (so the failure counters exist): scrape the running
+    server's Prometheus endpoint, as an operator's Prometheus would."""
+    client = server.client()
+    for i in range(3):
+        for _ in client.stream("def h(z):", max_tokens=16, seed=i, temperature=0.8):
+            pass
+    deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
+    while True:
+        samples = _scrape(server)
+        missing = [
+            m for m in DOCUMENTED_METRICS if not any(s.startswith(f"ray_{m}") for s in samples)
+        ]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, (missing, sorted(samples))
+
+    def total(name: str) -> float:
+        return sum(v for k, v in samples.items() if k in (f"ray_{name}", f"ray_{name}_total"))
+
+    drafts = total("cactus_spec_decode_num_draft_tokens")
+    accepted = total("cactus_spec_decode_num_accepted_tokens")
+    assert 0 < accepted <= drafts
+    per_pos = [
+        samples[k]
+        for k in sorted(
+            (k for k in samples if "num_accepted_tokens_per_pos" in k and "[" in k),
+            key=lambda k: int(k.rsplit("[", 1)[1].rstrip("]")),
+        )
+    ]
+    assert per_pos and all(a >= b for a, b in itertools.pairwise(per_pos)), per_pos
+    assert sum(per_pos) == accepted
+    requests = total("cactus_requests")
+    ttft = samples["ray_cactus_time_to_first_token_s_count"]
+    assert 3 <= ttft <= requests  # every streamed request with a token, no more
+    assert samples["ray_cactus_e2e_latency_s_count"] == requests
+    assert total("cactus_generation_tokens") >= 3 * 16
+    assert total("cactus_resumed_requests") >= 1 and total("cactus_draft_failures") >= 1
+    assert total("cactus_engine_serving") == 1
