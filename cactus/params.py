@@ -29,6 +29,13 @@ class SamplingParams:
     seed: int | None = None  # None: the engine picks one and echoes it
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # None: off (no cost). n in 0..MAX_LOGPROBS: the log-probability of every emitted
+    # token under the verifier's processed distribution q, with the n most likely
+    # alternatives there (OpenAI / vLLM `logprobs`).
+    logprobs: int | None = None
+
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,8 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
             raise _invalid(
                 "stop", f"stop strings must be non-empty, <= {MAX_STOP_STRING_CHARS} characters"
             )
+    if s.logprobs is not None and (not _is_int(s.logprobs) or not 0 <= s.logprobs <= MAX_LOGPROBS):
+        raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {s.logprobs!r}")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
     for tok in s.stop_token_ids:

@@ -110,6 +110,7 @@ class CactusClient:
         max_divergence_nats: float | None = None,
         request_id: str = "",
         time_limit_s: float = 0.0,
+        logprobs: int | None = None,
     ) -> pb.GenerateRequest:
         msg = pb.GenerateRequest(request_id=request_id, time_limit_s=time_limit_s)
         if isinstance(prompt, str):
@@ -120,7 +121,12 @@ class CactusClient:
         s.max_tokens, s.top_k = max_tokens, top_k
         s.stop.extend(stop)
         s.stop_token_ids.extend(stop_token_ids)
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed)):
+        for name, value in (
+            ("temperature", temperature),
+            ("top_p", top_p),
+            ("seed", seed),
+            ("logprobs", logprobs),
+        ):
             if value is not None:
                 setattr(s, name, value)
         sp = msg.speculation

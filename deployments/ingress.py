@@ -81,6 +81,7 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
     speculation = SpeculationParams(
         rule=sp.rule or config.speculation.default_rule,
@@ -159,8 +160,20 @@ def stats_pb(stats) -> pb.SpeculationStats:
     )
 
 
+def logprobs_pb(entries) -> list:
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top],
+        )
+        for e in entries or ()
+    ]
+
+
 def result_pb(result) -> pb.GenerateResponse:
     return pb.GenerateResponse(
+        logprobs=logprobs_pb(result.logprobs),
         request_id=result.request_id,
         text=result.text,
         token_ids=list(result.token_ids),
@@ -298,6 +311,7 @@ class CactusIngress:
                         request_id=chunk.request_id,
                         text=chunk.text,
                         token_ids=list(chunk.token_ids),
+                        logprobs=logprobs_pb(chunk.logprobs),
                     )
                     if chunk.result is not None:
                         full = result_pb(chunk.result)

@@ -158,14 +158,28 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             raise InvalidRequestError(name, "penalties are not supported (use 0)")
     if body.get("logit_bias"):
         raise InvalidRequestError("logit_bias", "logit_bias is not supported")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
-        raise InvalidRequestError("logprobs", "logprobs are not supported yet")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequestError("stream_options", "must be an object")
 
 
-def to_request(body: dict, config, *, max_tokens_field: str = "max_tokens") -> GenerationRequest:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: `logprobs` = how many alternatives (null: off). Chat: `logprobs`
+    true/false and `top_logprobs` = how many."""
+    if not chat:
+        return _number(body, "logprobs", None, integer=True)
+    wanted = body.get("logprobs")
+    if wanted not in (None, True, False):
+        raise InvalidRequestError("logprobs", "must be true or false")
+    top = _number(body, "top_logprobs", None, integer=True)
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def to_request(
+    body: dict, config, *, max_tokens_field: str = "max_tokens", chat: bool = False
+) -> GenerationRequest:
     """Sampling and speculation from an OpenAI body, unset fields from the config (the
     prompt is set by the caller)."""
     s, sp = config.sampling, config.speculation
@@ -180,6 +194,7 @@ def to_request(body: dict, config, *, max_tokens_field: str = "max_tokens") -> G
         top_k=_number(body, "top_k", 0, integer=True),
         seed=seed,
         stop=_stop(body),
+        logprobs=_logprobs(body, chat),
     )
     rule = body.get("rule", sp.default_rule)
     if not isinstance(rule, str):
@@ -273,8 +288,10 @@ def _sse(payload) -> str:
 class Shape:
     """What differs between /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, chat: bool, model: str, request_id: str) -> None:
+    def __init__(self, chat: bool, model: str, request_id: str, tokenizer=None) -> None:
         self.chat, self.model, self.id = chat, model, request_id
+        self.tokenizer = tokenizer
+        self.text_offset = 0  # completions' text_offset runs over the whole completion
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -287,29 +304,69 @@ class Shape:
             "choices": choices,
         }
 
+    def logprobs(self, entries) -> dict | None:
+        """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
+        completions {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
+        if entries is None:
+            return None
+        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": decode(e.token_id),
+                        "logprob": e.logprob,
+                        "bytes": list(decode(e.token_id).encode()),
+                        "top_logprobs": [
+                            {"token": decode(t), "logprob": v, "bytes": list(decode(t).encode())}
+                            for t, v in e.top
+                        ],
+                    }
+                    for e in entries
+                ]
+            }
+        tokens = [decode(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): v for t, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
     def whole(self, request, result) -> dict:
         finish = FINISH.get(result.finish_reason, "stop")
+        logprobs = self.logprobs(result.logprobs)
         if self.chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": result.text},
                 "finish_reason": finish,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
         else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
+            choice = {
+                "index": 0,
+                "text": result.text,
+                "finish_reason": finish,
+                "logprobs": logprobs,
+            }
         out = self._envelope(self.object, [choice])
         out["usage"] = usage(result)
         out["cactus"] = cactus_stats(request, result.stats)
         out["system_fingerprint"] = None
         return out
 
-    def delta(self, text: str, finish: str | None, *, first: bool = False) -> dict:
+    def delta(self, text: str, finish: str | None, *, first: bool = False, logprobs=None) -> dict:
+        logprobs = self.logprobs(logprobs)
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, request, result) -> dict:
@@ -332,7 +389,7 @@ async def sse_events(
         while chunk is not None:
             if chunk.result is not None:
                 finish = FINISH.get(chunk.result.finish_reason, "stop")
-                event = shape.delta(chunk.text, finish, first=is_first)
+                event = shape.delta(chunk.text, finish, first=is_first, logprobs=chunk.logprobs)
                 event["cactus"] = cactus_stats(request, chunk.result.stats)
                 yield _sse(event)
                 if include_usage:
@@ -340,8 +397,8 @@ async def sse_events(
                 done = True
                 on_done(chunk.result)
                 break
-            if chunk.text or is_first:
-                yield _sse(shape.delta(chunk.text, None, first=is_first))
+            if chunk.text or is_first or chunk.logprobs:
+                yield _sse(shape.delta(chunk.text, None, first=is_first, logprobs=chunk.logprobs))
                 is_first = False
             chunk = await anext(rest, None)
         yield _sse("[DONE]")
@@ -407,13 +464,13 @@ def build_routes(ingress, tokenize, logger):
                     code="model_not_found",
                 )
             field = "max_completion_tokens" if chat else "max_tokens"
-            base = to_request(body, ingress.config, max_tokens_field=field)
+            base = to_request(body, ingress.config, max_tokens_field=field, chat=chat)
             if chat:
                 prompt = {"prompt_token_ids": tuple(chat_prompt_ids(body, ingress.tokenizer))}
             else:
                 prompt = completion_prompt(body)
             req = tokenize(replace(base, **prompt), ingress.tokenizer, ingress.limits)
-            shape = Shape(chat, ingress.model_name, req.request_id)
+            shape = Shape(chat, ingress.model_name, req.request_id, ingress.tokenizer)
             if not body.get("stream"):
                 with ingress.metrics.running():
                     result = await ingress.engine.agenerate(req)

@@ -40,7 +40,14 @@ from cactus.params import GenerationRequest, Limits, validate_request
 from kernels import RaggedMetadata, ragged_accept
 from workers.batching import padded_uniforms, processed_rows
 from workers.interfaces import DraftBlock, Drafter, ProposeRow, Verifier
-from workers.request import GenerationChunk, GenerationResult, RequestState, Sink
+from workers.request import (
+    LOGPROB_FLOOR,
+    GenerationChunk,
+    GenerationResult,
+    RequestState,
+    Sink,
+    TokenLogprob,
+)
 from workers.scheduler import Scheduler, SchedulerConfig
 
 DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
@@ -201,11 +208,12 @@ class SpeculativeEngine:
             [(s.id, blocks[s.id].token_ids if s.id in blocks else ()) for s in running]
         )
         t2 = time.perf_counter()
-        result = self._accept(running, ks, blocks, logits)  # accept
+        result, target = self._accept(running, ks, blocks, logits)  # accept
         t3 = time.perf_counter()
         outputs = result.output_token_ids.tolist()
         accepted = result.num_accepted.tolist()
         divergence = result.divergence_nats.tolist()
+        logprobs = _logprobs(running, ks, outputs, accepted, target)
         emitted = []
         for i, state in enumerate(running):  # commit, per row
             tokens = outputs[i][: accepted[i] + 1]
@@ -218,7 +226,7 @@ class SpeculativeEngine:
                 st.verify_s + t2 - t1,
                 st.kernel_s + t3 - t2,
             )
-            emitted.append(state.emit(tokens))
+            emitted.append(state.emit(tokens, logprobs.get(i)))
         # Every row's next K is known now: a remote drafter drafts the next step while
         # this side hands out chunks, prefills new prompts and admits requests.
         self.drafter.prefetch(
@@ -287,7 +295,7 @@ class SpeculativeEngine:
             divergence_budget=torch.tensor(budgets, dtype=torch.float64),
             uniforms=padded_uniforms([s.generator for s in running], [k + 1 for k in ks]),
         )
-        return ragged_accept(draft_ids, draft_probs, target, metadata)
+        return ragged_accept(draft_ids, draft_probs, target, metadata), target
 
     def _commit(self, state, k: int, block, accepted: int, token: int) -> None:
         if state.drafting:
@@ -395,6 +403,34 @@ class SpeculativeEngine:
         if not ids:
             raise InvalidRequestError("prompt", "encodes to zero tokens")
         return ids
+
+
+def _logprobs(running, ks, outputs, accepted, target) -> dict[int, list[TokenLogprob]]:
+    """Log q of each emitted token, and the top alternatives, for the rows that ask
+    (row i's positions start at sum(K_j + 1 for j < i) in `target`); nothing for the
+    others, so a request without logprobs costs nothing."""
+    out: dict[int, list[TokenLogprob]] = {}
+    offset = 0
+    for i, state in enumerate(running):
+        n_top = state.request.sampling.logprobs
+        if n_top is not None:
+            taken = outputs[i][: accepted[i] + 1]
+            log_q = torch.log(target[offset : offset + len(taken)].double())
+            log_q = torch.nan_to_num(log_q, neginf=LOGPROB_FLOOR)
+            chosen = log_q[torch.arange(len(taken)), torch.tensor(taken)].tolist()
+            if n_top:
+                values, ids = torch.topk(log_q, n_top, dim=-1)
+                tops = [
+                    tuple(zip(r, v, strict=True))
+                    for r, v in zip(ids.tolist(), values.tolist(), strict=True)
+                ]
+            else:
+                tops = [()] * len(taken)
+            out[i] = [
+                TokenLogprob(tok, lp, top) for tok, lp, top in zip(taken, chosen, tops, strict=True)
+            ]
+        offset += ks[i] + 1
+    return out
 
 
 def _group(state: RequestState) -> tuple[str, float]:

@@ -87,6 +87,20 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the verifier's processed q at its
+    position, and the most likely alternatives there (id, logprob), best first. -inf
+    (a token outside q's support) is reported as LOGPROB_FLOOR."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     request_id: str
     text: str
@@ -95,6 +109,7 @@ class GenerationResult:
     prompt_tokens: int
     seed: int
     stats: SpecStats
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked for
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,7 @@ class GenerationChunk:
     finish_reason: str | None = None
     result: GenerationResult | None = None
     stats: SpecStats | None = None  # the request's statistics so far (for migration)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # for token_ids, when asked for
 
 
 # Where a request's chunks go: a GenerationChunk, or an exception that ends the request.
@@ -143,6 +159,11 @@ class RequestState:
         self.cancelled = cancelled
         self.generator = torch.Generator().manual_seed(seed ^ VERIFY_SEED_SALT)
         self.generated: list[int] = []
+        # TokenLogprob per generated token (this attempt's), when the request asks
+        self.logprobs: list[TokenLogprob] | None = (
+            [] if request.sampling.logprobs is not None else None
+        )
+        self._pending_logprobs: list[TokenLogprob] = []  # this step's, until emitted
         self.stats = SpecStats(
             accepted_per_position=[0] * request.speculation.num_speculative_tokens
         )
@@ -201,9 +222,11 @@ class RequestState:
 
     # ---- emission -----------------------------------------------------------------
 
-    def emit(self, tokens: list[int]) -> list[int]:
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Commit tokens one by one, stopping at EOS, a stop id, max_tokens or a stop
-        string; returns the tokens taken."""
+        string; returns the tokens taken (`logprobs`: one per token, kept for those)."""
+        if self.logprobs is not None and logprobs is not None:
+            self._pending_logprobs = logprobs
         s = self.request.sampling
         taken = []
         for tok in tokens:
@@ -226,6 +249,9 @@ class RequestState:
             self.finish_reason = "LENGTH"
         if self.finish_reason not in (None, "STOP_SEQUENCE"):
             self.detok.flush()  # a trailing incomplete character, if any
+        if self.logprobs is not None:
+            self._pending_logprobs = self._pending_logprobs[: len(taken)]
+            self.logprobs.extend(self._pending_logprobs)
         return taken
 
     def _hit_stop_string(self, new_chars: int) -> bool:
@@ -255,13 +281,29 @@ class RequestState:
     def push(self, new_tokens: list[int]) -> None:
         """Hand the caller what this step produced (the final chunk when finished)."""
         text = self.releasable()
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs, self._pending_logprobs = tuple(self._pending_logprobs), []
         if self.finish_reason is not None:
             self.sink(
-                GenerationChunk(self.id, tuple(new_tokens), text, self.finish_reason, self.result())
+                GenerationChunk(
+                    self.id,
+                    tuple(new_tokens),
+                    text,
+                    self.finish_reason,
+                    self.result(),
+                    logprobs=logprobs,
+                )
             )
         elif new_tokens or text:
             self.sink(
-                GenerationChunk(self.id, tuple(new_tokens), text, stats=self.stats.snapshot())
+                GenerationChunk(
+                    self.id,
+                    tuple(new_tokens),
+                    text,
+                    stats=self.stats.snapshot(),
+                    logprobs=logprobs,
+                )
             )
 
     def time_limit(self) -> None:
@@ -277,6 +319,7 @@ class RequestState:
             prompt_tokens=self.prompt_len,
             seed=self.seed,
             stats=self.stats,
+            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
         )
 
     def count(self, k: int, accepted: int, divergence: float) -> None:

@@ -366,6 +366,42 @@ def test_the_asyncio_client_matches_the_blocking_one(server):
     assert health == "SERVING"
 
 
+def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
+    server, embedded_engine, heldout_prompts
+):
+    from tests.workers.test_logprobs import _recomputed_log_q
+
+    prompt = heldout_prompts[2]
+    ids = embedded_engine.tokenizer.encode(prompt, add_special_tokens=False)
+    kw = {"max_tokens": 12, "temperature": 0.7, "seed": 5}
+    client = server.openai()
+    http = client.completions.create(
+        model="verifier", prompt=prompt, logprobs=3, extra_body={"top_k": 40}, **kw
+    )
+    grpc_reply = server.client().generate(prompt, top_k=40, logprobs=3, **kw)
+    tokens = list(grpc_reply.token_ids)
+    sampling = SamplingParams(top_k=40, logprobs=3, **kw)
+    want = _recomputed_log_q(embedded_engine, ids, tokens, sampling)
+    lp = http.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(tokens) == len(grpc_reply.logprobs)
+    for pos, (entry, http_lp) in enumerate(
+        zip(grpc_reply.logprobs, lp.token_logprobs, strict=True)
+    ):
+        assert entry.token_id == tokens[pos]
+        assert abs(entry.logprob - float(want[pos, tokens[pos]])) < 1e-4
+        assert abs(http_lp - entry.logprob) < 1e-9
+        assert len(entry.top) == 3 and len(lp.top_logprobs[pos]) <= 3
+    assert "".join(lp.tokens) == http.choices[0].text
+    chat_err = None
+    try:
+        client.chat.completions.create(
+            model="verifier", messages=[{"role": "user", "content": "x"}], logprobs=True
+        )
+    except Exception as err:  # the embedded tokenizer has no chat template
+        chat_err = err
+    assert chat_err is not None and "chat template" in str(chat_err)
+
+
 def test_an_http_client_that_goes_away_frees_its_request(server):
     import httpx2
 
