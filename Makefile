@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch bench-chaos generate models clean
+.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch bench-chaos bench-http generate models clean
 
 setup: $(STAMP) protos
 
@@ -58,6 +58,10 @@ bench-distributed: setup
 # Batched engine: tokens/s at B = 1..32 per rule, step split, crossover, memory.
 bench-batch: setup
 	$(PY) -m benchmarks.bench_batch
+
+# OpenAI HTTP vs gRPC: single-stream tokens/s through the same server.
+bench-http: setup
+	$(PY) -m benchmarks.bench_http $(if $(QUICK),--quick,)
 
 # Engine actors killed under 8 streaming clients: lost/duplicated tokens, recovery times.
 bench-chaos: setup

@@ -70,6 +70,7 @@ def micro(mode: str, stem: Path) -> tuple[str, list[str]]:
             *(["--prompts", "8", "--tokens", "32"] if mode != "full" else []),
         ],
         [sys.executable, "-m", "benchmarks.bench_distributed", *quick],
+        [sys.executable, "-m", "benchmarks.bench_http", *quick],
         [sys.executable, "-m", "benchmarks.bench_batch", *quick, "--plot", str(plots[0])],
         [
             sys.executable,

@@ -1,0 +1,61 @@
+"""`make stop` is per port: it stops the server on PORT only and says when none runs."""
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_make_stop_reports_when_no_server_runs_on_the_port(tmp_path):
+    port = "59931"
+    pid = REPO / ".cache" / f"serve-{port}.pid"
+    pid.parent.mkdir(exist_ok=True)
+    # A stale pid file (its process is gone) is cleaned up, not signalled.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    pid.write_text(str(dead.pid))
+    out = subprocess.run(
+        ["make", "-s", "stop", f"PORT={port}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"no server running on port {port}" in out.stdout
+    assert not pid.exists()
+
+
+def test_make_stop_stops_only_the_server_on_its_port():
+    port = "59932"
+    pid = REPO / ".cache" / f"serve-{port}.pid"
+    other = REPO / ".cache" / "serve-59933.pid"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid.write_text(str(sleeper.pid))
+        other.write_text(str(bystander.pid))
+        # Reap the child as soon as it exits, or make's `kill -0` would see a zombie.
+        reaper = threading.Thread(target=sleeper.wait)
+        reaper.start()
+        out = subprocess.run(
+            ["make", "-s", "stop", f"PORT={port}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=os.environ.copy(),
+            timeout=60,
+        )
+        assert f"stopped the server on port {port}" in out.stdout, out.stdout + out.stderr
+        reaper.join(timeout=10)
+        assert sleeper.returncode not in (None, 0)  # ended by SIGINT
+        assert bystander.poll() is None  # the server on another port runs on
+    finally:
+        bystander.kill()
+        sleeper.kill()
+        pid.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
