@@ -1,56 +1,65 @@
-"""Typed, validated service configuration (YAML in, frozen dataclasses out).
+"""Typed, validated service configuration: YAML in, frozen pydantic models out.
 
-Every field has a description; unknown keys and bad values are rejected with the key
-path (e.g. `speculation.delta_ceiling: must be a number >= 0, got -1`). Relative model
-paths are resolved against the repository root, so the shipped YAML works from anywhere.
+Every field has a description (`Field(description=...)`, the README's config table is
+generated from them: `python -m configs.schema --readme`); unknown keys and bad values
+are rejected with the key path (e.g. `speculation.delta_ceiling: must be >= 0`).
+Types are strict (no "2" for 2, no true for 1.0, no NaN). Relative model paths are
+resolved against the repository root, so the shipped YAML works from anywhere. Ray
+Serve LLM's configs are pydantic models too.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+import sys
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Annotated
 
 import yaml
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
+README = REPO / "README.md"
+TABLE_BEGIN, TABLE_END = "<!-- config-table:begin -->", "<!-- config-table:end -->"
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+Str = Annotated[str, Strict()]
+Bool = Annotated[bool, Strict()]
 
 
 class ConfigError(ValueError):
     """A config key is unknown or its value is invalid; the message starts with its path."""
 
 
-def doc(text: str, default=MISSING, default_factory=MISSING):
-    kw = {"metadata": {"doc": text}}
-    if default is not MISSING:
-        kw["default"] = default
-    if default_factory is not MISSING:
-        kw["default_factory"] = default_factory
-    return field(**kw)
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-@dataclass(frozen=True)
-class ModelsConfig:
-    verifier: str = doc("verifier checkpoint folder (Hugging Face layout)", "models/verifier")
-    draft: str = doc("draft checkpoint folder; must share the verifier's tokenizer", "models/draft")
-    dtype: str = doc("float32, bfloat16 or float16", "float32")
-    device: str = doc("cpu or cuda", "cpu")
+def doc(text: str, default=..., default_factory=None):
+    """A described field (its description is the README's)."""
+    if default_factory is not None:
+        return Field(default_factory=default_factory, description=text)
+    return Field(default, description=text)
 
 
-@dataclass(frozen=True)
-class ActorResourcesConfig:
-    num_cpus: float = doc("CPUs reserved for the actor (fractions allowed)", 0.25)
-    num_gpus: float = doc("GPUs reserved for the actor", 0.0)
-    resources: dict[str, float] = doc(
+class ModelsConfig(_Model):
+    verifier: Str = doc("verifier checkpoint folder (Hugging Face layout)", "models/verifier")
+    draft: Str = doc("draft checkpoint folder; must share the verifier's tokenizer", "models/draft")
+    dtype: Str = doc("float32, bfloat16 or float16", "float32")
+    device: Str = doc("cpu or cuda", "cpu")
+
+
+class ActorResourcesConfig(_Model):
+    num_cpus: Float = doc("CPUs reserved for the actor (fractions allowed)", 0.25)
+    num_gpus: Float = doc("GPUs reserved for the actor", 0.0)
+    resources: dict[Str, Float] = doc(
         "custom resources, e.g. {draft_node: 1}", default_factory=dict
     )
 
 
-@dataclass(frozen=True)
-class ResourcesConfig:
+class ResourcesConfig(_Model):
     replica: ActorResourcesConfig = doc(
         "the Serve ingress replica", default_factory=ActorResourcesConfig
     )
@@ -58,32 +67,29 @@ class ResourcesConfig:
     verifier_rank: ActorResourcesConfig = doc(
         "each verifier TP rank", default_factory=ActorResourcesConfig
     )
-    threads_per_actor: int = doc("torch intra-op threads in each actor", 1)
-    placement_strategy: str = doc(
+    threads_per_actor: Int = doc("torch intra-op threads in each actor", 1)
+    placement_strategy: Str = doc(
         "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD for a replica's bundles", "PACK"
     )
 
 
-@dataclass(frozen=True)
-class SpeculationConfig:
-    default_rule: str = doc("rule used when a request names none", "cactus")
-    default_delta: float = doc("delta (nats) used when a request sets none", 1.0)
-    default_num_speculative_tokens: int = doc("K used when a request sets none", 4)
-    max_num_speculative_tokens: int = doc("largest K a request may ask for", 8)
-    delta_ceiling: float = doc("largest delta a request may ask for (nats)", 4.0)
-    allowed_rules: tuple[str, ...] = doc("rules requests may use", RULES)
+class SpeculationConfig(_Model):
+    default_rule: Str = doc("rule used when a request names none", "cactus")
+    default_delta: Float = doc("delta (nats) used when a request sets none", 1.0)
+    default_num_speculative_tokens: Int = doc("K used when a request sets none", 4)
+    max_num_speculative_tokens: Int = doc("largest K a request may ask for", 8)
+    delta_ceiling: Float = doc("largest delta a request may ask for (nats)", 4.0)
+    allowed_rules: tuple[Str, ...] = doc("rules requests may use", RULES)
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    default_temperature: float = doc("temperature when a request sets none", 1.0)
-    default_max_tokens: int = doc("max_tokens when a request sets 0", 64)
+class SamplingConfig(_Model):
+    default_temperature: Float = doc("temperature when a request sets none", 1.0)
+    default_max_tokens: Int = doc("max_tokens when a request sets 0", 64)
 
 
-@dataclass(frozen=True)
-class AuthConfig:
-    token: str | None = doc("bearer token every RPC must carry; null = no auth", None)
-    token_env: str = doc(
+class AuthConfig(_Model):
+    token: Str | None = doc("bearer token every RPC must carry; null = no auth", None)
+    token_env: Str = doc(
         "environment variable read for the token when `token` is null", "CACTUS_AUTH_TOKEN"
     )
 
@@ -91,72 +97,67 @@ class AuthConfig:
         return self.token or os.environ.get(self.token_env) or None
 
 
-@dataclass(frozen=True)
-class LimitsConfig:
-    max_ongoing_requests: int = doc("requests a replica works on at once", 8)
-    max_queued_requests: int = doc(
+class LimitsConfig(_Model):
+    max_ongoing_requests: Int = doc("requests a replica works on at once", 8)
+    max_queued_requests: Int = doc(
         "requests waiting per deployment; beyond: RESOURCE_EXHAUSTED", 32
     )
-    max_prompt_chars: int = doc("longest text prompt accepted", 100_000)
-    max_message_bytes: int = doc("gRPC receive limit, sized to the longest prompt", 4 << 20)
-    request_timeout_s: float = doc("end-to-end limit the gRPC proxy enforces (0 = none)", 0.0)
-    start_timeout_s: float = doc("how long a replica may take to start its engine", 300.0)
+    max_prompt_chars: Int = doc("longest text prompt accepted", 100_000)
+    max_message_bytes: Int = doc("gRPC receive limit, sized to the longest prompt", 4 << 20)
+    request_timeout_s: Float = doc("end-to-end limit the gRPC proxy enforces (0 = none)", 0.0)
+    start_timeout_s: Float = doc("how long a replica may take to start its engine", 300.0)
 
 
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_num_seqs: int = doc(
+class BatchingConfig(_Model):
+    max_num_seqs: Int = doc(
         "requests in one engine batch (rows of the draft pass and the verifier forward); "
         "more wait for a row",
         32,
     )
-    max_num_batched_tokens: int = doc(
+    max_num_batched_tokens: Int = doc(
         "tokens one engine step computes: the running rows' K + 1 first, then chunks of "
         "waiting prompts (vLLM's chunked prefill budget)",
         512,
     )
-    kv_budget_tokens: int | None = doc(
+    kv_budget_tokens: Int | None = doc(
         "verifier KV-cache slots per replica (rows x longest reservation); a request that "
         "does not fit waits. null = max_num_seqs x the model's context",
         None,
     )
 
 
-@dataclass(frozen=True)
-class RecoveryConfig:
-    max_attempts: int = doc(
+class RecoveryConfig(_Model):
+    max_attempts: Int = doc(
         "times one request is resumed on a rebuilt engine before it fails UNAVAILABLE", 3
     )
-    restart_attempts: int = doc(
+    restart_attempts: Int = doc(
         "gang restarts of the verifier ranks tried in a row before the replica gives up "
         "(Serve then replaces it)",
         3,
     )
-    check_period_s: float = doc("how often the supervisor probes the engine's actors", 0.5)
-    probe_timeout_s: float = doc("an actor that does not answer a probe this long is dead", 10.0)
-    recovery_timeout_s: float = doc(
+    check_period_s: Float = doc("how often the supervisor probes the engine's actors", 0.5)
+    probe_timeout_s: Float = doc("an actor that does not answer a probe this long is dead", 10.0)
+    recovery_timeout_s: Float = doc(
         "the longest a request waits for a restart (its own deadline may be shorter)", 120.0
     )
-    drain_timeout_s: float = doc(
+    drain_timeout_s: Float = doc(
         "on scale-down and shutdown, how long running streams may take to finish", 30.0
     )
 
 
-@dataclass(frozen=True)
-class AutoscalingConfig:
-    min_replicas: int = doc("replicas kept at idle", 1)
-    max_replicas: int = doc("upper bound under load", 1)
-    target_ongoing_requests: float = doc("per-replica load the autoscaler aims for", 2.0)
-    upscale_delay_s: float = doc("load must persist this long before adding a replica", 10.0)
-    downscale_delay_s: float = doc("idle time before removing a replica", 60.0)
-    metrics_interval_s: float = doc("how often replicas report load", 1.0)
-    look_back_period_s: float = doc("window the autoscaler averages over", 5.0)
+class AutoscalingConfig(_Model):
+    min_replicas: Int = doc("replicas kept at idle", 1)
+    max_replicas: Int = doc("upper bound under load", 1)
+    target_ongoing_requests: Float = doc("per-replica load the autoscaler aims for", 2.0)
+    upscale_delay_s: Float = doc("load must persist this long before adding a replica", 10.0)
+    downscale_delay_s: Float = doc("idle time before removing a replica", 60.0)
+    metrics_interval_s: Float = doc("how often replicas report load", 1.0)
+    look_back_period_s: Float = doc("window the autoscaler averages over", 5.0)
 
 
-@dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig(_Model):
     models: ModelsConfig = doc("the draft/verifier pair", default_factory=ModelsConfig)
-    tp_size: int = doc("verifier tensor-parallel ranks per replica", 1)
+    tp_size: Int = doc("verifier tensor-parallel ranks per replica", 1)
     resources: ResourcesConfig = doc("per-actor resources", default_factory=ResourcesConfig)
     speculation: SpeculationConfig = doc("defaults and limits", default_factory=SpeculationConfig)
     sampling: SamplingConfig = doc("sampling defaults", default_factory=SamplingConfig)
@@ -165,15 +166,15 @@ class ServeConfig:
     batching: BatchingConfig = doc("continuous batching", default_factory=BatchingConfig)
     recovery: RecoveryConfig = doc("engine actor failures", default_factory=RecoveryConfig)
     autoscaling: AutoscalingConfig = doc("replica autoscaling", default_factory=AutoscalingConfig)
-    grpc_port: int = doc(
+    grpc_port: Int = doc(
         "public gRPC port (Ray Serve's gRPC proxy listens on it on every interface)", 9000
     )
-    http_port: int = doc("OpenAI-compatible HTTP port (/v1/completions, ...)", 8000)
-    http_host: str = doc(
+    http_port: Int = doc("OpenAI-compatible HTTP port (/v1/completions, ...)", 8000)
+    http_host: Str = doc(
         "interface the HTTP port listens on (0.0.0.0: every interface)", "127.0.0.1"
     )
-    app_name: str = doc("Serve application name", "cactus")
-    shm_allreduce: bool = doc("DeepSpeed shared-memory all-reduce on CPU (JIT-compiled)", False)
+    app_name: Str = doc("Serve application name", "cactus")
+    shm_allreduce: Bool = doc("DeepSpeed shared-memory all-reduce on CPU (JIT-compiled)", False)
 
     def model_path(self, which: str) -> str:
         path = Path(getattr(self.models, which))
@@ -192,21 +193,22 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Serve
 
 
 def from_dict(raw: dict) -> ServeConfig:
-    config = _build(ServeConfig, raw, "")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"<root>: expected a mapping, got {type(raw).__name__}")
+    try:
+        config = ServeConfig.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        path = ".".join(str(part) for part in first["loc"]) or "<root>"
+        message = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ConfigError(f"{path}: {message}") from None
     validate(config)
     return config
 
 
-def to_dict(config) -> dict:
-    out = {}
-    for f in fields(config):
-        value = getattr(config, f.name)
-        out[f.name] = (
-            to_dict(value)
-            if is_dataclass(value)
-            else (list(value) if isinstance(value, tuple) else value)
-        )
-    return out
+def to_dict(config: BaseModel) -> dict:
+    """Plain data (lists, dicts, numbers): what Serve pickles into each replica."""
+    return config.model_dump(mode="json")
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -214,68 +216,6 @@ def _merge(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         out[key] = _merge(out.get(key) or {}, value) if isinstance(value, dict) else value
     return out
-
-
-def _build(cls, raw: Any, path: str):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path or '<root>'}: expected a mapping, got {type(raw).__name__}")
-    hints = get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    for key in raw:
-        if key not in known:
-            raise ConfigError(
-                f"{_join(path, key)}: unknown key (known: {', '.join(sorted(known))})"
-            )
-    kwargs = {}
-    for f in fields(cls):
-        if f.name in raw:
-            kwargs[f.name] = _coerce(hints[f.name], raw[f.name], _join(path, f.name))
-    return cls(**kwargs)
-
-
-def _coerce(tp, value, path: str):
-    if is_dataclass(tp):
-        return _build(tp, value, path)
-    origin, args = get_origin(tp), get_args(tp)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list")
-        return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping")
-        return {str(k): _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}
-    if type(None) in args:  # Optional[X]
-        return (
-            None
-            if value is None
-            else _coerce(next(a for a in args if a is not type(None)), value, path)
-        )
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{path}: unsupported type {tp}")
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else str(key)
 
 
 def _check(ok: bool, path: str, message: str) -> None:
@@ -360,3 +300,57 @@ def validate(c: ServeConfig) -> None:
         "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD",
     )
     _check(c.resources.threads_per_actor >= 1, "resources.threads_per_actor", "must be >= 1")
+
+
+# ---- the README's config table, generated from the field descriptions ---------------
+
+
+def config_rows(
+    model: type[BaseModel] | None = None, prefix: str = ""
+) -> list[tuple[str, str, str]]:
+    """(key path, description, default) of every leaf field, in declaration order."""
+    model = model or ServeConfig
+    rows = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        inner = info.annotation if isinstance(info.annotation, type) else None
+        if inner is not None and issubclass(inner, BaseModel):
+            rows.extend(config_rows(inner, path + "."))
+            continue
+        default = info.get_default(call_default_factory=True)
+        rows.append(
+            (
+                path,
+                info.description or "",
+                yaml.safe_dump(
+                    list(default) if isinstance(default, tuple) else default,
+                    default_flow_style=True,
+                    width=1000,
+                )
+                .strip()
+                .removesuffix("...")
+                .strip(),
+            )
+        )
+    return rows
+
+
+def config_table() -> str:
+    lines = ["| key | meaning | default |", "|---|---|---|"]
+    for path, text, default in config_rows():
+        lines.append(f"| `{path}` | {text} | `{default}` |")
+    return "\n".join(lines)
+
+
+def readme_with_table(readme: str) -> str:
+    """The README with its config table (between the markers) regenerated."""
+    start = readme.index(TABLE_BEGIN) + len(TABLE_BEGIN)
+    end = readme.index(TABLE_END)
+    return readme[:start] + "\n" + config_table() + "\n" + readme[end:]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--readme"]:
+        README.write_text(readme_with_table(README.read_text()))
+    else:
+        print(config_table())

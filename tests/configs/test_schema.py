@@ -64,3 +64,20 @@ def test_bad_config_names_the_key_path(raw, path):
     with pytest.raises(ConfigError) as err:
         from_dict(raw)
     assert str(err.value).startswith(path + ":"), str(err.value)
+
+
+def test_the_readme_config_table_is_generated_from_the_models():
+    """Every field's description is the README's: regenerate with
+    `python -m configs.schema --readme` when a field changes."""
+    from configs.schema import README, readme_with_table
+
+    text = README.read_text()
+    assert readme_with_table(text) == text
+
+
+def test_every_field_is_described():
+    from configs.schema import config_rows
+
+    rows = config_rows()
+    assert len(rows) > 40 and all(description for _, description, _ in rows)
+    assert ("grpc_port", rows[[r[0] for r in rows].index("grpc_port")][1], "9000") in rows
