@@ -6,13 +6,12 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.stamp-$(shell cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -c1-16)
 CACHE := $(CURDIR)/.cache
-export HF_HUB_OFFLINE := 1
+# The runtime environment (Ray, offline Hugging Face, DeepSpeed) is set by one module,
+# cactus/environment.py, in every entry point. Here only what pip's DeepSpeed build and
+# the compile caches need.
 export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
-export RAY_AUTH_MODE := disabled
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
-export TOKENIZERS_PARALLELISM := false
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 

@@ -318,10 +318,9 @@ def main(argv=None) -> None:
         args.clients, args.kills, args.gap = 4, 1, 12.0
     import os
 
-    from cactus.environment import RAY_ENV
+    from cactus import environment
 
-    for key, value in RAY_ENV.items():  # as the server has them (auth off, loopback)
-        os.environ.setdefault(key, value)
+    environment.apply()  # as the server has it (auth off, loopback)
     import torch
 
     torch.set_num_threads(1)

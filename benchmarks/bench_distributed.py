@@ -85,10 +85,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.prompts, args.max_tokens, args.concurrent_rounds = 1, 2, 24, 1
-    from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER, RAY_ENV
+    from cactus import environment
+    from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
 
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    environment.apply()
     import ray
     import torch
 

@@ -12,7 +12,6 @@ the same tokens (checked), so only the transport differs.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -30,10 +29,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.max_tokens = 3, 32
-    from cactus.environment import RAY_ENV
+    from cactus import environment
 
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    environment.apply()
     import openai
 
     server = ServerProcess({"tp_size": 1})

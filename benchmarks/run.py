@@ -159,11 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-chaos", action="store_true")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
-    from cactus.environment import RAY_ENV
+    from cactus import environment
 
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    environment.apply()
 
     started = time.monotonic()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")

@@ -1,17 +1,30 @@
-"""Where the embedded models are, and the environment Ray needs on a loopback-only
-machine (../shared/spec/stack.md). Plain constants: importing this imports nothing."""
+"""Where the embedded models are, and the one place that sets the process environment
+(Ray on a loopback-only machine, offline Hugging Face, DeepSpeed's accelerator;
+../shared/spec/stack.md). Every entry point calls `apply()` first: `make serve`,
+`cactus`, the benchmarks, the test conftest, and the modules that load models (so a Ray
+worker gets it too). Importing this imports nothing."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VERIFIER = REPO / "models" / "verifier"
 DEFAULT_DRAFT = REPO / "models" / "draft"
 
-RAY_ENV = {
+ENV = {
     "RAY_AUTH_MODE": "disabled",  # Ray 2.60's token auth breaks the serve CLI; loopback only
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind 127.0.0.1
-    "DS_ACCELERATOR": "cpu",
     "RAY_USAGE_STATS_ENABLED": "0",
+    "DS_ACCELERATOR": "cpu",  # DeepSpeed on CPU machines ("cuda" works where there is one)
+    "HF_HUB_OFFLINE": "1",  # models are local folders; nothing is downloaded
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",  # no fork warnings from Ray's worker processes
 }
+
+
+def apply() -> None:
+    """Set every variable the caller has not set itself (an operator's value wins)."""
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)

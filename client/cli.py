@@ -17,7 +17,8 @@ import json
 import os
 import sys
 
-from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER, RAY_ENV
+from cactus import environment
+from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
 
 
 def _generate_parser(sub) -> None:
@@ -145,8 +146,7 @@ def result_json(result) -> dict:
 
 
 def _quiet() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    environment.apply()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -192,8 +192,7 @@ def _consume(chunks, stream: bool):
 
 def _run_ray(args, request):
     """A local Ray started for this call: draft actor + args.tp verifier ranks."""
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    environment.apply()
     import ray
 
     from workers.group import EngineGroup, GroupConfig

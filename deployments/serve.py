@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from cactus.environment import RAY_ENV
+from cactus import environment
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache"
 
@@ -46,10 +46,8 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
+    environment.apply()
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.limits.max_message_bytes))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
     from ray import serve
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,8 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny pair, a few steps")
     parser.add_argument("--out", type=Path, default=None, help="output directory")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from cactus import environment
+
+    environment.apply()
     if args.smoke and args.out is None:
         parser.error("--smoke needs --out (the smoke pair never replaces models/)")
     out = args.out or MODELS_DIR

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -140,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", type=Path, default=MODELS_DIR / "draft")
     parser.add_argument("--json", type=Path, default=None, help="also write figures here")
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from cactus import environment
+
+    environment.apply()
     figures = measure(args.verifier, args.draft)
     text = json.dumps(figures, indent=2)
     print(text)

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-# Ray 2.60 on a loopback-only test machine (../shared/spec/stack.md).
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from cactus import environment
 
-import pytest
-import torch
-from transformers.utils import logging as hf_logging
+environment.apply()  # before Ray, transformers and DeepSpeed are imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()

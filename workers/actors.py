@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 
@@ -18,7 +17,9 @@ from cactus.errors import RequestCancelledError
 
 
 def _quiet_hf() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from cactus import environment
+
+    environment.apply()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

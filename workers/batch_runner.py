@@ -21,7 +21,6 @@ Rows in use are the dense prefix [0, n): releasing a row moves the last row's KV
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +28,10 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.utils import logging as hf_logging
 
+from cactus import environment
 from workers.model_runner import LoadedModel
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+environment.apply()  # also in Ray workers: offline Hugging Face
 hf_logging.disable_progress_bar()
 
 SLOT_ROUND = 64  # T capacity is a multiple of this (unless the budget caps it)

@@ -7,14 +7,15 @@ cache is passed as `cache=`, and `DynamicCache.crop` takes a negative count.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from cactus import environment
+
+environment.apply()  # also in Ray workers: offline Hugging Face
 hf_logging.disable_progress_bar()  # a server's logs are not a terminal
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

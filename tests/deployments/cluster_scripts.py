@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 
-from cactus.environment import RAY_ENV
+from cactus import environment
 
-for _k, _v in RAY_ENV.items():
-    os.environ.setdefault(_k, _v)
+environment.apply()
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
