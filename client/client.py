@@ -64,13 +64,10 @@ class _Attempts:
         return pause if time.monotonic() + pause < self.deadline else None
 
 
-class CactusClient:
-    """`CactusClient("127.0.0.1:9000").generate("def f(x):", max_tokens=32)`.
+class _Client:
+    """What both clients share: the channel, stubs, deadline, token and retry policy."""
 
-    Every call gets a deadline (`timeout`, seconds) unless given its own, covering its
-    retries; `token` is sent as `authorization: Bearer <token>` metadata; `retry`
-    (default RetryPolicy(); NO_RETRY turns it off) applies before the first response.
-    """
+    _channel = None  # grpc.insecure_channel or grpc.aio.insecure_channel
 
     def __init__(
         self,
@@ -84,7 +81,7 @@ class CactusClient:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        self.channel = grpc.insecure_channel(address, options=options)
+        self.channel = self._channel(address, options=options)
         self.stub = pb_grpc.CactusStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout
@@ -92,6 +89,17 @@ class CactusClient:
         self.retry = retry or RetryPolicy()
         self._rng = random.Random()
         self.last_attempts = 0  # attempts the last call made (tests, logs)
+
+
+class CactusClient(_Client):
+    """`CactusClient("127.0.0.1:9000").generate("def f(x):", max_tokens=32)`.
+
+    Every call gets a deadline (`timeout`, seconds) unless given its own, covering its
+    retries; `token` is sent as `authorization: Bearer <token>` metadata; `retry`
+    (default RetryPolicy(); NO_RETRY turns it off) applies before the first response.
+    """
+
+    _channel = staticmethod(grpc.insecure_channel)
 
     @staticmethod
     def request(
@@ -193,30 +201,11 @@ class CactusClient:
         self.channel.close()
 
 
-class AsyncCactusClient:
+class AsyncCactusClient(_Client):
     """The asyncio client (grpc.aio): the same methods as CactusClient, awaited;
     `stream` is an async iterator. Same deadlines, token and retry policy."""
 
-    def __init__(
-        self,
-        address: str,
-        token: str | None = None,
-        timeout: float = 60.0,
-        max_message_bytes: int = 64 << 20,
-        retry: RetryPolicy | None = None,
-    ) -> None:
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        self.channel = grpc.aio.insecure_channel(address, options=options)
-        self.stub = pb_grpc.CactusStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.timeout = timeout
-        self.metadata = [("authorization", f"Bearer {token}")] if token else []
-        self.retry = retry or RetryPolicy()
-        self._rng = random.Random()
-        self.last_attempts = 0
+    _channel = staticmethod(grpc.aio.insecure_channel)
 
     request = staticmethod(CactusClient.request)
 

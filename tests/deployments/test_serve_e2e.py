@@ -253,14 +253,9 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server):
     assert len(server.client().generate("def g():", max_tokens=3).token_ids) == 3
 
 
-def test_cancel_mid_stream_frees_the_caches(server):
-    client = server.client()
-    stream = client.stream("class Foo:", max_tokens=400, seed=5, temperature=1.0)
-    for i, _chunk in enumerate(stream):
-        if i == 2:
-            client.last_call.cancel()
-            break
-    deadline = time.monotonic() + 60
+def _assert_caches_freed(server, within_s: float = 60.0) -> None:
+    """Every engine's draft and verifier cache counts reach 0 within `within_s`."""
+    deadline = time.monotonic() + within_s
     counts = server.cache_counts()
     while time.monotonic() < deadline:
         counts = server.cache_counts()
@@ -268,6 +263,16 @@ def test_cancel_mid_stream_frees_the_caches(server):
             break
         time.sleep(1)
     assert counts and all(v == 0 for engine in counts.values() for v in engine.values()), counts
+
+
+def test_cancel_mid_stream_frees_the_caches(server):
+    client = server.client()
+    stream = client.stream("class Foo:", max_tokens=400, seed=5, temperature=1.0)
+    for i, _chunk in enumerate(stream):
+        if i == 2:
+            client.last_call.cancel()
+            break
+    _assert_caches_freed(server)
 
 
 def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_prompts):
@@ -420,14 +425,7 @@ def test_an_http_client_that_goes_away_frees_its_request(server):
             lines += line.startswith("data: ")
             if lines == 3:
                 break  # leave with the stream open: the connection is closed
-    deadline = time.monotonic() + 60
-    counts = server.cache_counts()
-    while time.monotonic() < deadline:
-        counts = server.cache_counts()
-        if all(v == 0 for engine in counts.values() for v in engine.values()):
-            break
-        time.sleep(1)
-    assert counts and all(v == 0 for engine in counts.values() for v in engine.values()), counts
+    _assert_caches_freed(server)
 
 
 def _kill(server, role: str) -> float:
