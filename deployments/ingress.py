@@ -219,13 +219,7 @@ class CactusIngress:
         r = self.config.recovery
         return EngineSupervisor(
             group,
-            Recovery(
-                max_attempts=r.max_attempts,
-                restart_attempts=r.restart_attempts,
-                check_period_s=r.check_period_s,
-                probe_timeout_s=r.probe_timeout_s,
-                recovery_timeout_s=r.recovery_timeout_s,
-            ),
+            Recovery(**r.model_dump(exclude={"drain_timeout_s"})),  # drain is Serve's
         )
 
     # ---- the shim's duties ----------------------------------------------------------
@@ -293,7 +287,7 @@ class CactusIngress:
                 self.engine.cancel(req.request_id)
             raise
         except Exception as err:
-            self._fail(grpc_context, _unwrap(err), req.request_id if req else "")
+            self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             return pb.GenerateResponse()
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
@@ -325,7 +319,7 @@ class CactusIngress:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as err:
-            code, details = self._fail(grpc_context, _unwrap(err), req.request_id if req else "")
+            code, details = self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             # A streaming method must raise for Serve to send the status it set.
             raise RequestError(code, details) from None
         finally:
@@ -408,6 +402,3 @@ class CactusIngress:
         if group is not None:
             with contextlib.suppress(Exception):
                 group.shutdown()
-
-
-_unwrap = unwrap

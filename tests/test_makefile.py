@@ -9,6 +9,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _make_stop(port: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["make", "-s", "stop", f"PORT={port}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=60,
+    )
+
+
 def test_make_stop_reports_when_no_server_runs_on_the_port(tmp_path):
     port = "59931"
     pid = REPO / ".cache" / f"serve-{port}.pid"
@@ -17,14 +28,7 @@ def test_make_stop_reports_when_no_server_runs_on_the_port(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     pid.write_text(str(dead.pid))
-    out = subprocess.run(
-        ["make", "-s", "stop", f"PORT={port}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=os.environ.copy(),
-        timeout=60,
-    )
+    out = _make_stop(port)
     assert out.returncode == 0, out.stderr
     assert f"no server running on port {port}" in out.stdout
     assert not pid.exists()
@@ -42,14 +46,7 @@ def test_make_stop_stops_only_the_server_on_its_port():
         # Reap the child as soon as it exits, or make's `kill -0` would see a zombie.
         reaper = threading.Thread(target=sleeper.wait)
         reaper.start()
-        out = subprocess.run(
-            ["make", "-s", "stop", f"PORT={port}"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            env=os.environ.copy(),
-            timeout=60,
-        )
+        out = _make_stop(port)
         assert f"stopped the server on port {port}" in out.stdout, out.stdout + out.stderr
         reaper.join(timeout=10)
         assert sleeper.returncode not in (None, 0)  # ended by SIGINT

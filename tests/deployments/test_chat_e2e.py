@@ -6,16 +6,12 @@ the prompt the template renders."""
 from __future__ import annotations
 
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
-import yaml
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.conftest import embedded_dirs
-from tests.deployments.test_serve_e2e import REPO, _wait_ready
+from tests.deployments.test_serve_e2e import serving
 from workers.tp_verifier import free_port
 
 pytestmark = pytest.mark.slow
@@ -44,19 +40,8 @@ def chat_server(tmp_path_factory):
         "grpc_port": port,
         "http_port": http_port,
     }
-    path = root / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    _wait_ready(proc, timeout_s=300)
-    yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"]
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 0
+    with serving(config, root):
+        yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"]
 
 
 def test_chat_completions_render_the_template_and_stream(chat_server, embedded_engine):

@@ -6,6 +6,7 @@ limits), in a subprocess with its own Ray head; the test talks to it on 127.0.0.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -79,7 +80,17 @@ def server(tmp_path_factory):
         },
         "speculation": {"delta_ceiling": 4.0, "max_num_speculative_tokens": 8},
     }
-    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    with serving(config, tmp_path_factory.mktemp("serve")) as (proc, ready):
+        ray_address = re.search(r"ray (\S+)\)", ready).group(1)
+        assert f"HTTP on 127.0.0.1:{http_port}" in ready
+        yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+
+
+@contextlib.contextmanager
+def serving(config: dict, folder: Path):
+    """`python -m deployments.serve` on `config` (as `make serve` runs it): yields the
+    process and its READY line once it serves; stops it with SIGINT, which must exit 0."""
+    path = folder / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.Popen(
         [sys.executable, "-m", "deployments.serve", "--config", str(path)],
@@ -89,9 +100,7 @@ def server(tmp_path_factory):
         text=True,
     )
     ready = _wait_ready(proc, timeout_s=300)
-    ray_address = re.search(r"ray (\S+)\)", ready).group(1)
-    assert f"HTTP on 127.0.0.1:{http_port}" in ready
-    yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+    yield proc, ready
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0
 

@@ -44,6 +44,17 @@ async def _health_poll(sup, seen: list, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.05)
 
 
+def _streams_under_watch(sup, reqs):
+    """Start one stream per request and a health poller (call inside the event loop):
+    (chunks per request, their tasks, health record, poller stop event, poller task)."""
+    chunks: list[list] = [[] for _ in reqs]
+    health: list = []
+    stop = asyncio.Event()
+    poll = asyncio.create_task(_health_poll(sup, health, stop))
+    tasks = [asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks, strict=True)]
+    return chunks, tasks, health, stop, poll
+
+
 def _uninterrupted(engine, req):
     return engine.generate(replace(req, request_id="ref-" + req.request_id))
 
@@ -90,13 +101,7 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
     ]
 
     async def scenario():
-        chunks = [[] for _ in reqs]
-        health: list = []
-        stop = asyncio.Event()
-        poll = asyncio.create_task(_health_poll(sup, health, stop))
-        tasks = [
-            asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks, strict=True)
-        ]
+        chunks, tasks, health, stop, poll = _streams_under_watch(sup, reqs)
         while not all(chunks):
             await asyncio.sleep(0.01)
         old = group.draft
@@ -144,13 +149,7 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
     ]
 
     async def scenario():
-        chunks = [[] for _ in reqs]
-        health: list = []
-        stop = asyncio.Event()
-        poll = asyncio.create_task(_health_poll(sup, health, stop))
-        tasks = [
-            asyncio.create_task(_collect(sup, r, c)) for r, c in zip(reqs, chunks, strict=True)
-        ]
+        chunks, tasks, health, stop, poll = _streams_under_watch(sup, reqs)
         unary = asyncio.create_task(sup.agenerate(unary_req))  # nothing sent: runs again
         while not all(chunks):
             await asyncio.sleep(0.01)
