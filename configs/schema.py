@@ -20,6 +20,7 @@ from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, Validati
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
+POLICIES = ("fixed", "goodput")  # workers/policy.py
 README = REPO / "README.md"
 TABLE_BEGIN, TABLE_END = "<!-- config-table:begin -->", "<!-- config-table:end -->"
 
@@ -80,6 +81,11 @@ class SpeculationConfig(_Model):
     max_num_speculative_tokens: Int = doc("largest K a request may ask for", 8)
     delta_ceiling: Float = doc("largest delta a request may ask for (nats)", 4.0)
     allowed_rules: tuple[Str, ...] = doc("rules requests may use", RULES)
+    policy: Str = doc(
+        "tokens each row drafts per step: `fixed` (the request's K) or `goodput` "
+        "(0..K per row and step, for the most tokens/s; workers/policy.py)",
+        "goodput",
+    )
 
 
 class SamplingConfig(_Model):
@@ -243,6 +249,11 @@ def validate(c: ServeConfig) -> None:
         f"{s.default_rule!r} is not in allowed_rules",
     )
     _check(s.delta_ceiling >= 0, "speculation.delta_ceiling", "must be >= 0")
+    _check(
+        s.policy in POLICIES,
+        "speculation.policy",
+        f"must be one of {', '.join(POLICIES)}, got {s.policy!r}",
+    )
     _check(
         0 <= s.default_delta <= s.delta_ceiling,
         "speculation.default_delta",

@@ -142,6 +142,7 @@ def group_config(config: ServeConfig):
         max_num_seqs=c.batching.max_num_seqs,
         max_num_batched_tokens=c.batching.max_num_batched_tokens,
         kv_budget_tokens=c.batching.kv_budget_tokens,
+        speculation_policy=c.speculation.policy,
     )
 
 

@@ -40,6 +40,7 @@ from cactus.params import GenerationRequest, Limits, validate_request
 from kernels import RaggedMetadata, ragged_accept
 from workers.batching import padded_uniforms, processed_rows
 from workers.interfaces import DraftBlock, Drafter, ProposeRow, Verifier
+from workers.policy import PolicyConfig, PolicyRow, SpeculationPolicy
 from workers.request import (
     LOGPROB_FLOOR,
     GenerationChunk,
@@ -72,6 +73,16 @@ class StepTiming:
         return out
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One decode step, for metrics: per row its rule, k, accepted and predicted tokens."""
+
+    rules: list[str]
+    ks: list[int]
+    accepted: list[int]
+    predicted: list[float]  # the policy's expected tokens per row
+
+
 class SpeculativeEngine:
     """Generates text for a changing batch of requests with a Drafter and a Verifier."""
 
@@ -93,7 +104,9 @@ class SpeculativeEngine:
         )
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
         self.scheduler = Scheduler(scheduler)
+        self.policy = SpeculationPolicy(PolicyConfig(kind=self.scheduler.config.policy))
         self.timing = StepTiming()
+        self.last_step: StepRecord | None = None  # the last decode step (metrics read it)
         self._live: dict[str, RequestState] = {}
 
     # ---- requests in and out -------------------------------------------------------
@@ -198,7 +211,12 @@ class SpeculativeEngine:
 
     def _decode(self, running: list[RequestState]) -> int:
         t0 = time.perf_counter()
-        ks, blocks = self._propose(running)  # propose
+        self._plan(running)  # k per row, from earlier steps only (workers/policy.py)
+        planned = [s.planned_k for s in running]
+        expected = {s.id: s.expected_tokens for s in running}
+        lags = {s.id: s.undrafted for s in running}
+        predicted_s = self.policy.cost.predict(planned, list(lags.values()))
+        ks, blocks = self._propose(running, planned)  # propose
         # Rows of one acceptance group (same K, rule, TAS threshold) side by side: the
         # kernel then takes each group as a view of the flat tensors, not a copy.
         order = sorted(range(len(running)), key=lambda i: (ks[i], *_group(running[i])))
@@ -214,12 +232,17 @@ class SpeculativeEngine:
         accepted = result.num_accepted.tolist()
         divergence = result.divergence_nats.tolist()
         logprobs = _logprobs(running, ks, outputs, accepted, target)
+        rows = [self._policy_row(s, fixed=ks[i]) for i, s in enumerate(running)]
+        predicted = [expected[s.id] if k else 1.0 for s, k in zip(running, ks, strict=True)]
+        self.policy.observe_rows(rows, ks, accepted, predicted)
         emitted = []
         for i, state in enumerate(running):  # commit, per row
             tokens = outputs[i][: accepted[i] + 1]
             self._commit(state, ks[i], blocks.get(state.id), accepted[i], tokens[-1])
             if ks[i]:
                 state.count(ks[i], accepted[i], divergence[i])
+            if state.drafting:
+                state.undrafted = 0 if ks[i] else state.undrafted + 1
             st = state.stats
             st.draft_s, st.verify_s, st.kernel_s = (
                 st.draft_s + t1 - t0,
@@ -227,26 +250,44 @@ class SpeculativeEngine:
                 st.kernel_s + t3 - t2,
             )
             emitted.append(state.emit(tokens, logprobs.get(i)))
-        # Every row's next K is known now: a remote drafter drafts the next step while
+        # Every row's next k is chosen now: a remote drafter drafts the next step while
         # this side hands out chunks, prefills new prompts and admits requests.
-        self.drafter.prefetch(
-            [
-                ProposeRow(s.id, k)
-                for s in running
-                if s.finish_reason is None and (k := s.num_draft_tokens()) > 0
-            ]
-        )
+        going_on = [s for s in running if s.finish_reason is None]
+        self._plan(going_on)
+        self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in going_on if s.planned_k])
         for state, tokens in zip(running, emitted, strict=True):  # emit
             state.push(tokens)
             if state.finish_reason is not None:
                 self._close(state)
         t4 = time.perf_counter()
         self._time(len(running), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        lag_list = [lags[s.id] for s in running]
+        self.policy.observe_time(ks, lag_list, t1 - t0, t2 - t1, t4 - t2, predicted_s)
+        self.last_step = StepRecord([s.request.speculation.rule for s in running], ks, accepted, predicted)
         return sum(k + 1 for k in ks)
 
-    def _propose(self, running: list[RequestState]) -> tuple[list[int], dict[str, DraftBlock]]:
+    def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:
+        return PolicyRow(
+            state.id, state.group, state.num_draft_tokens(), state.undrafted, fixed=fixed
+        )
+
+    def _plan(self, states: list[RequestState]) -> None:
+        """Choose k for the rows that have none yet; a row with one keeps it (a remote
+        drafter may be drafting it already). Reads only earlier steps' outcomes."""
+        if all(s.planned_k is not None for s in states):
+            return
+        plan = self.policy.plan([self._policy_row(s, fixed=s.planned_k) for s in states])
+        for state, k, e in zip(states, plan.ks, plan.expected_tokens, strict=True):
+            if state.planned_k is None:
+                state.planned_k, state.expected_tokens = k, e
+
+    def _propose(
+        self, running: list[RequestState], planned: list[int]
+    ) -> tuple[list[int], dict[str, DraftBlock]]:
         """One batched draft pass; a row whose drafter failed goes on without drafts."""
-        ks = [s.num_draft_tokens() for s in running]
+        for state in running:
+            state.planned_k = None
+        ks = [min(k, s.num_draft_tokens()) for s, k in zip(running, planned, strict=True)]
         rows = [ProposeRow(s.id, k) for s, k in zip(running, ks, strict=True) if k > 0]
         blocks: dict[str, DraftBlock] = {}
         if not rows:
@@ -381,6 +422,7 @@ class SpeculativeEngine:
             del self._live[state.id]
         self.drafter.release(state.id)
         self.verifier.release(state.id)
+        self.policy.forget(state.id)
 
     def _end(self, state: RequestState, error: BaseException) -> None:
         self._close(state)

@@ -1,8 +1,12 @@
 """Engine-side metrics, recorded on rank 0 after every step (Ray exports them to
 Prometheus with its `ray_` prefix). Names follow vLLM's scheduler gauges
-(num_requests_running / num_requests_waiting) with our `cactus_` prefix."""
+(num_requests_running / num_requests_waiting) with our `cactus_` prefix; the
+speculation policy's (workers/policy.py) are ours: the k it chose per row, by rule, and
+the tokens it predicted against those the step gave."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 BATCH_BOUNDS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128]
 
@@ -22,12 +26,41 @@ class EngineMetrics:
             boundaries=BATCH_BOUNDS,
             description="rows in each decode step (one draft pass, one verifier forward)",
         )
+        self.chosen_k = metrics.Counter(
+            "cactus_spec_chosen_k",
+            description="rows decoded with k drafted tokens (the policy's choice), by rule and k",
+            tag_keys=("rule", "k"),
+        )
+        self.predicted = metrics.Counter(
+            "cactus_spec_predicted_tokens",
+            description="tokens the policy expected the decode steps to emit, by rule",
+            tag_keys=("rule",),
+        )
+        self.realised = metrics.Counter(
+            "cactus_spec_realised_tokens",
+            description="tokens the decode steps emitted (accepted + 1 per row), by rule",
+            tag_keys=("rule",),
+        )
         self.steps = 0
 
     def record(self, engine, batch_size: int) -> None:
         self.steps += 1
-        if batch_size:
+        step = engine.last_step if batch_size else None
+        if step is not None:
             self.batch.observe(batch_size)
+            engine.last_step = None
+            chosen: Counter = Counter()
+            predicted: Counter = Counter()
+            realised: Counter = Counter()
+            for rule, k, a, p in zip(step.rules, step.ks, step.accepted, step.predicted, strict=True):
+                chosen[rule, k] += 1
+                predicted[rule] += p
+                realised[rule] += a + 1
+            for (rule, k), n in chosen.items():
+                self.chosen_k.inc(n, tags={"rule": rule, "k": str(k)})
+            for rule, n in predicted.items():
+                self.predicted.inc(n, tags={"rule": rule})
+                self.realised.inc(realised[rule], tags={"rule": rule})
         sched = engine.scheduler
         self.running.set(sched.num_rows)
         self.waiting.set(len(sched.waiting))

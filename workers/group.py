@@ -73,6 +73,7 @@ class GroupConfig:
     max_num_seqs: int = 32  # rows in the batch (see workers/scheduler.py)
     max_num_batched_tokens: int = 512  # tokens per step, decode first, then prompt chunks
     kv_budget_tokens: int | None = None  # verifier KV slots (None: max_num_seqs * context)
+    speculation_policy: str = "goodput"  # fixed | goodput (workers/policy.py)
 
 
 def engine_bundles(config: GroupConfig) -> list[dict[str, float]]:
@@ -192,7 +193,9 @@ class EngineGroup:
                 self.draft_address,
                 limits=self.limits,
                 scheduler=SchedulerConfig(
-                    max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens
+                    max_num_seqs=c.max_num_seqs,
+                    max_num_batched_tokens=c.max_num_batched_tokens,
+                    policy=c.speculation_policy,
                 ),
                 timeout_s=c.rpc_timeout_s,
             ),

@@ -16,6 +16,7 @@ import torch
 
 from cactus.detokenize import IncrementalDetokenizer
 from cactus.params import GenerationRequest
+from workers.policy import group_of
 
 VERIFY_SEED_SALT = 0x5EED_CAC7_0000_0001
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
@@ -177,6 +178,10 @@ class RequestState:
         self.released_chars = min(request.resume_text_chars, len(self.detok.text))
         self.drafting = request.speculation.rule != "none"  # False once the drafter failed
         self.draft_epoch = 0  # draft sessions re-opened on a new drafter (new draft seed)
+        self.group = group_of(request.speculation)  # acceptance group (workers/policy.py)
+        self.planned_k: int | None = None  # k chosen for the next step
+        self.expected_tokens = 1.0  # the policy's expectation of that step's tokens
+        self.undrafted = 0  # steps decoded without drafts since the draft cache last moved
         self.prefilled = 0  # verifier prompt tokens (all but the last) already in its row
         limit = request.time_limit_s
         self.deadline = time.monotonic() + limit if limit else None
@@ -208,8 +213,9 @@ class RequestState:
         return len(self.prior) + len(self.generated)
 
     def num_draft_tokens(self) -> int:
-        """K for the next step, reduced near the end: never draft past max_tokens or the
-        context (the verifier emits one token more than it accepts)."""
+        """The most tokens the next step may draft (the policy chooses 0..this): the
+        request's K, reduced near the end: never draft past max_tokens or the context
+        (the verifier emits one token more than it accepts)."""
         if not self.drafting:
             return 0
         k = self.request.speculation.num_speculative_tokens

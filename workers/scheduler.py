@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.policy import POLICIES
 from workers.request import RequestState
 
 
@@ -21,8 +22,11 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # requests in the batch (rows), prefilling or decoding
     max_num_batched_tokens: int = 512  # tokens a step may compute, decode tokens first
     min_prefill_chunk: int = 32  # prompt tokens a step always prefills when any wait
+    policy: str = "goodput"  # speculation policy: k per row per step (workers/policy.py)
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

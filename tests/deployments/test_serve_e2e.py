@@ -548,6 +548,9 @@ DOCUMENTED_METRICS = [
     "cactus_num_requests_running",
     "cactus_num_requests_waiting",
     "cactus_batch_size",
+    "cactus_spec_chosen_k",
+    "cactus_spec_predicted_tokens",
+    "cactus_spec_realised_tokens",
 ]
 
 
@@ -618,3 +621,11 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server):
     assert total("cactus_generation_tokens") >= 3 * 16
     assert total("cactus_resumed_requests") >= 1 and total("cactus_draft_failures") >= 1
     assert total("cactus_engine_serving") == 1
+    # the speculation policy: every decode row counted once, with the k it chose; the
+    # predicted tokens are the same order as the realised ones (the bench measures how
+    # close: benchmarks/bench_policy.py)
+    rows = total("cactus_spec_chosen_k")
+    assert rows >= total("cactus_spec_decode_num_drafts")
+    realised = total("cactus_spec_realised_tokens")
+    assert rows <= realised <= rows * 9
+    assert 0.5 < total("cactus_spec_predicted_tokens") / realised < 2.0

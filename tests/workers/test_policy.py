@@ -1,0 +1,306 @@
+"""The speculation policy (workers/policy.py): its models, its choice, and that the
+engine consults it before anything of the step being decided exists."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from workers.policy import (
+    AcceptanceModel,
+    CostModel,
+    PolicyConfig,
+    PolicyRow,
+    SpeculationPolicy,
+    expected_tokens,
+)
+from workers.scheduler import SchedulerConfig
+
+
+def test_expected_tokens_is_one_plus_the_reach_probabilities():
+    a = np.array([0.8, 0.5, 0.25])
+    e = expected_tokens(a)
+    assert e.tolist() == pytest.approx([1.0, 1.8, 2.2, 2.3])
+
+
+def test_acceptance_estimates_follow_each_group_and_each_request():
+    model = AcceptanceModel(PolicyConfig())
+    rng = np.random.default_rng(0)
+    for step in range(400):  # group "hi" accepts each position w.p. 0.9, "lo" w.p. 0.3
+        for group, p in (("hi", 0.9), ("lo", 0.3)):
+            accepted = 0
+            while accepted < 4 and rng.random() < p:
+                accepted += 1
+            model.observe(f"{group}-{step % 8}", group, 4, accepted)
+    hi = model.alphas("hi-new", "hi", 4)  # a new request: the group's average
+    lo = model.alphas("lo-new", "lo", 4)
+    assert np.all(np.abs(hi - 0.9) < 0.06), hi
+    assert np.all(np.abs(lo[:2] - 0.3) < 0.08), lo
+    # a request's own counts pull it away from its group
+    for _ in range(40):
+        model.observe("odd", "hi", 4, 0)
+    assert model.alphas("odd", "hi", 4)[0] < 0.15
+    model.forget("odd")  # gone: back to the group's (which its 40 misses lowered a little)
+    assert model.alphas("odd", "hi", 4) == pytest.approx(model.alphas("fresh", "hi", 4))
+    assert model.alphas("odd", "hi", 4)[0] > 0.7
+
+
+def _true_cost(ks, lags=None):
+    """A made-up machine: 20 ms base, 2 ms per row, 1 ms per drafted token, 3 ms per
+    draft forward."""
+    ks = list(ks)
+    return 0.020 + 0.002 * len(ks) + 0.001 * sum(ks) + 0.003 * max(ks, default=0)
+
+
+def _observe(cost: CostModel, ks, noise=0.0, rng=None):
+    t = _true_cost(ks) * (1 + (rng.normal() * noise if rng is not None else 0.0))
+    kmax = max(ks, default=0)
+    draft = 0.003 * kmax + 0.0005 * sum(ks)
+    verify = 0.015 + 0.0015 * len(ks) + 0.0003 * (len(ks) + sum(ks))
+    cost.observe(list(ks), [0] * len(ks), draft, verify, t - draft - verify)
+
+
+def test_cost_model_recovers_a_linear_machine():
+    cost = CostModel(window=256)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        b = int(rng.integers(1, 17))
+        _observe(cost, rng.integers(0, 9, size=b).tolist())
+    for ks in ([0], [4, 4, 4, 4], [8] * 16, [0, 2, 8]):
+        assert cost.predict(ks, [0] * len(ks)) == pytest.approx(_true_cost(ks), rel=1e-3)
+
+
+def _trained_policy(p_accept: dict[str, float], steps: int = 300, cost=_observe):
+    policy = SpeculationPolicy(PolicyConfig(warmup_steps=24))
+    rng = np.random.default_rng(2)
+    for step in range(steps):
+        rows = [PolicyRow(f"{g}-{i}", g, 8) for g in p_accept for i in range(3)]
+        plan = policy.plan(rows)
+        accepted = []
+        for r, k in zip(rows, plan.ks, strict=True):
+            a = 0
+            while a < k and rng.random() < p_accept[r.group]:
+                a += 1
+            accepted.append(a)
+        policy.observe_rows(rows, plan.ks, accepted, plan.expected_tokens)
+        cost(policy.cost, plan.ks)
+        del step
+    return policy
+
+
+def _goodput(policy, rows, ks):
+    gains = [expected_tokens(policy.acceptance.alphas(r.request_id, r.group, r.ceiling)) for r in rows]
+    return sum(g[k] for g, k in zip(gains, ks, strict=True)) / _true_cost(ks)
+
+
+def test_the_choice_is_the_best_k_vector():
+    """After warm-up the policy's ks reach the brute-force best goodput (within 1%)
+    under its own estimates, on a batch mixing a high- and a low-acceptance group."""
+    policy = _trained_policy({"hi": 0.9, "lo": 0.35})
+    rows = [PolicyRow("hi-0", "hi", 8), PolicyRow("hi-1", "hi", 8), PolicyRow("lo-0", "lo", 8)]
+    plan = policy.plan(rows)
+    best = max(
+        _goodput(policy, rows, ks) for ks in itertools.product(range(9), repeat=len(rows))
+    )
+    assert _goodput(policy, rows, plan.ks) >= 0.99 * best
+    assert plan.ks[0] > plan.ks[2]  # the group that accepts more drafts more
+
+
+def test_plain_decoding_wins_where_drafting_does_not_pay():
+    """Drafts that are rarely accepted, on a machine where a draft forward costs as much
+    as the verifier: every row decodes plainly (k = 0)."""
+
+    def expensive(cost: CostModel, ks):
+        kmax = max(ks, default=0)
+        draft = 0.030 * kmax + 0.001 * sum(ks)
+        cost.observe(list(ks), [0] * len(ks), draft, 0.02 + 0.002 * len(ks), 0.001)
+
+    policy = _trained_policy({"a": 0.1}, cost=expensive)
+    plan = policy.plan([PolicyRow(f"a-{i}", "a", 8) for i in range(3)])
+    assert plan.ks == [0, 0, 0]
+    # (here even drafts accepted 97% of the time do not pay: 23.6 tokens in 291 ms at
+    # k = 8 against 3 in 27 ms) ...
+    policy = _trained_policy({"a": 0.97}, cost=expensive)
+    assert policy.plan([PolicyRow(f"a-{i}", "a", 8) for i in range(3)]).ks == [0, 0, 0]
+    # ... while on the cheaper machine they do
+    policy = _trained_policy({"a": 0.97})
+    assert min(policy.plan([PolicyRow(f"a-{i}", "a", 8) for i in range(3)]).ks) >= 6
+
+
+def test_fixed_takes_every_ceiling_and_promised_ks_are_kept():
+    fixed = SpeculationPolicy(PolicyConfig(kind="fixed"))
+    rows = [PolicyRow("a", "sps", 4), PolicyRow("b", "sps", 2), PolicyRow("c", "none", 0)]
+    assert fixed.plan(rows).ks == [4, 2, 0]
+    good = _trained_policy({"a": 0.9})
+    plan = good.plan([PolicyRow("x", "a", 8, fixed=1), PolicyRow("y", "a", 8)])
+    assert plan.ks[0] == 1
+    with pytest.raises(ValueError, match="policy"):
+        PolicyConfig(kind="sometimes")
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="always")
+
+
+# ---- in the engine ---------------------------------------------------------------------
+
+
+def _requests(n: int, *, rule="cactus", max_tokens=48, temperature=1.0, seed0=0):
+    return [
+        GenerationRequest(
+            prompt=f"def function_{i}(value):\n    return",
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed0 + i),
+            speculation=SpeculationParams(rule=rule, delta=1.0, num_speculative_tokens=8),
+        )
+        for i in range(n)
+    ]
+
+
+def _run(engine, requests):
+    outs = [deque() for _ in requests]
+    for r, q in zip(requests, outs, strict=True):
+        engine.add_request(r, q.append)
+    while engine.has_work():
+        engine.step()
+    return [q[-1].result for q in outs]
+
+
+@pytest.fixture(scope="module")
+def goodput_engine():
+    from tests.conftest import embedded_dirs
+    from workers.local import local_engine
+
+    verifier, draft = embedded_dirs()
+    return local_engine(verifier, draft, scheduler=SchedulerConfig(policy="goodput"))
+
+
+def test_the_policy_decides_before_the_steps_draws_and_probabilities(goodput_engine, monkeypatch):
+    """Every step's ks are chosen before its drafts, its verifier forward and its
+    uniforms exist, and choosing them draws nothing from any request's generator."""
+    engine = goodput_engine
+    events: list[str] = []
+    import workers.engine as engine_module
+
+    real_plan, real_propose, real_score = (
+        engine.policy.plan,
+        engine.drafter.propose,
+        engine.verifier.score,
+    )
+    real_uniforms = engine_module.padded_uniforms
+    generators: list[torch.Generator] = []
+
+    def plan(rows):
+        states = [g.get_state() for g in generators]
+        out = real_plan(rows)
+        assert all(torch.equal(a, g.get_state()) for a, g in zip(states, generators, strict=True))
+        events.append("plan")
+        return out
+
+    def propose(rows):
+        events.append("propose")
+        return real_propose(rows)
+
+    def score(rows):
+        events.append("score")
+        return real_score(rows)
+
+    def uniforms(gens, counts):
+        events.append("uniforms")
+        return real_uniforms(gens, counts)
+
+    monkeypatch.setattr(engine.policy, "plan", plan)
+    monkeypatch.setattr(engine.drafter, "propose", propose)
+    monkeypatch.setattr(engine.verifier, "score", score)
+    monkeypatch.setattr(engine_module, "padded_uniforms", uniforms)
+    monkeypatch.setattr(
+        engine_module.RequestState,
+        "__init__",
+        _recording_init(engine_module.RequestState.__init__, generators),
+    )
+    results = _run(engine, _requests(3, max_tokens=24))
+    assert all(len(r.token_ids) == 24 for r in results)
+    # within a step: propose (if any row drafts) -> score -> uniforms; a plan never
+    # falls between a step's score and its uniforms
+    steps = "".join({"plan": "P", "propose": "D", "score": "S", "uniforms": "U"}[e] for e in events)
+    assert "S" in steps and "SPU" not in steps and "DP" not in steps
+    for i, e in enumerate(steps):
+        if e == "S":
+            assert steps[i + 1] == "U"  # the uniforms follow the forward, with no plan
+    assert steps.count("S") == steps.count("U")
+
+
+def _recording_init(init, generators):
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        generators.append(self.generator)
+
+    return wrapped
+
+
+def test_greedy_output_is_the_verifiers_whatever_k_the_policy_chooses(goodput_engine):
+    from workers.local import local_engine
+
+    fixed_engine = local_engine(
+        *_dirs(), scheduler=SchedulerConfig(policy="fixed")
+    )
+    reqs = _requests(4, rule="cactus", temperature=0.0, max_tokens=40)
+    plain = _run(fixed_engine, [_with_rule(r, "none") for r in reqs])
+    good = _run(goodput_engine, reqs)
+    assert [r.token_ids for r in good] == [r.token_ids for r in plain]
+
+
+def _dirs():
+    from tests.conftest import embedded_dirs
+
+    return embedded_dirs()
+
+
+def _with_rule(request, rule):
+    from dataclasses import replace
+
+    return replace(request, speculation=replace(request.speculation, rule=rule))
+
+
+def _warm_up(engine):
+    seed = 100
+    while engine.policy.stats.steps < 2 * engine.policy.config.warmup_steps:
+        _run(engine, _requests(2, max_tokens=32, seed0=seed))
+        seed += 2
+
+
+def test_an_expensive_drafter_makes_the_engine_decode_plainly():
+    """A real engine whose draft model is slow (50 ms more per draft forward, slower
+    than the verifier's): after warm-up the policy stops drafting (>= 90% of rows
+    k = 0), and the same engine with the normal draft model keeps drafting at batch 1."""
+    from workers.local import local_engine
+
+    engine = local_engine(*_dirs(), scheduler=SchedulerConfig(policy="goodput"))
+    runner = engine.drafter.runner
+    real = runner.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    runner.forward = slow
+    _warm_up(engine)
+    before = dict(engine.policy.stats.chosen_k)
+    _run(engine, _requests(2, max_tokens=64, seed0=10))
+    after = engine.policy.stats.chosen_k
+    rows = {k: after[k] - before.get(k, 0) for k in after}
+    plain = sum(n for (_, k), n in rows.items() if k == 0)
+    assert plain >= 0.9 * sum(rows.values()), rows
+
+    runner.forward = real
+    engine.policy = SpeculationPolicy(PolicyConfig())
+    _warm_up(engine)
+    before = dict(engine.policy.stats.chosen_k)
+    _run(engine, _requests(1, max_tokens=96, seed0=20))
+    after = engine.policy.stats.chosen_k
+    rows = {k: after[k] - before.get(k, 0) for k in after}
+    mean_k = sum(k * n for (_, k), n in rows.items()) / sum(rows.values())
+    assert mean_k >= 1.5, rows
