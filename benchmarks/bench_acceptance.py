@@ -26,8 +26,11 @@ def run(rules, n_prompts: int, tokens: int) -> None:
     from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
     from models.measure import heldout_stream, prompts
     from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
 
-    engine = local_engine(str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT))
+    engine = local_engine(  # acceptance of each rule at K = 4, not the policy's k
+        str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT), scheduler=SchedulerConfig(policy="fixed")
+    )
     windows = prompts(heldout_stream(engine.tokenizer), n=n_prompts, length=64)
     print(f"# {n_prompts} held-out prompts x {tokens} tokens, T 0.6 top_k 20 top_p 0.95, K=4")
     print(

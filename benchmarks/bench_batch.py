@@ -228,6 +228,7 @@ def main(argv=None) -> None:
 
     from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
     from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -238,7 +239,9 @@ def main(argv=None) -> None:
             verifier, draft = qwen3_pair(Path(tmp))
         else:
             verifier, draft = str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT)
-        engine = local_engine(verifier, draft)
+        # each rule at its own K (the sweep shows where each K stops paying; the
+        # goodput policy that chooses K per step is benchmarks/bench_policy.py)
+        engine = local_engine(verifier, draft, scheduler=SchedulerConfig(policy="fixed"))
         prompts = (
             _prompts(engine.tokenizer, 32)
             if args.pair == "embedded"

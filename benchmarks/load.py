@@ -101,8 +101,10 @@ class ServerProcess:
 
 
 def run_level(
-    address: str, rule: str, clients: int, seconds: float, *, max_tokens: int
+    address: str, rule: str, clients: int, seconds: float, *, max_tokens: int, **request
 ) -> LoadResult:
+    """`clients` threads streaming back to back for `seconds`; `request`: more request
+    fields (num_speculative_tokens, delta)."""
     result = LoadResult(rule, clients, seconds)
     lock = threading.Lock()
     stop_at = time.monotonic() + seconds
@@ -123,6 +125,7 @@ def run_level(
                     top_p=0.95,
                     seed=idx * 10_000 + n,
                     rule=rule,
+                    **request,
                 ):
                     now = time.monotonic()
                     if chunk.token_ids:

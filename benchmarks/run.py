@@ -110,10 +110,14 @@ def quality_phase(mode: str):
     from benchmarks.quality import Method, default_methods, evaluate, function_tasks
     from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
     from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
 
     torch.set_num_threads(2)
     s = SETTINGS[mode]
-    engine = local_engine(str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT))
+    # every method at its own K: quality vs speed of the rules, not of the policy
+    engine = local_engine(
+        str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT), scheduler=SchedulerConfig(policy="fixed")
+    )
     tasks = function_tasks(s["tasks"])
     methods = (
         [Method("verifier-only", "none"), Method("cactus d=1", "cactus", 1.0)]

@@ -45,11 +45,15 @@ def embedded_dirs() -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def embedded_engine():
-    """In-process engine on the embedded models, shared by the engine tests."""
+    """In-process engine on the embedded models, shared by the engine tests. Its policy
+    is `fixed`: the seeded equalities these tests check (solo vs batched, delta 0 vs
+    sps, in-process vs distributed) need a k schedule that does not depend on timings
+    (the goodput policy's own tests: tests/workers/test_policy.py)."""
     from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
 
     verifier, draft = embedded_dirs()
-    return local_engine(verifier, draft)
+    return local_engine(verifier, draft, scheduler=SchedulerConfig(policy="fixed"))
 
 
 @pytest.fixture(scope="session")

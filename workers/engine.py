@@ -263,7 +263,9 @@ class SpeculativeEngine:
         self._time(len(running), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
         lag_list = [lags[s.id] for s in running]
         self.policy.observe_time(ks, lag_list, t1 - t0, t2 - t1, t4 - t2, predicted_s)
-        self.last_step = StepRecord([s.request.speculation.rule for s in running], ks, accepted, predicted)
+        self.last_step = StepRecord(
+            [s.request.speculation.rule for s in running], ks, accepted, predicted
+        )
         return sum(k + 1 for k in ks)
 
     def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:

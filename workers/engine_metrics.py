@@ -52,7 +52,9 @@ class EngineMetrics:
             chosen: Counter = Counter()
             predicted: Counter = Counter()
             realised: Counter = Counter()
-            for rule, k, a, p in zip(step.rules, step.ks, step.accepted, step.predicted, strict=True):
+            for rule, k, a, p in zip(
+                step.rules, step.ks, step.accepted, step.predicted, strict=True
+            ):
                 chosen[rule, k] += 1
                 predicted[rule] += p
                 realised[rule] += a + 1

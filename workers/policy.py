@@ -12,8 +12,8 @@ models it learns online from this engine's own steps:
   row of the same batch want different k). A row drafting k tokens emits
   E(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_m tokens in expectation.
 - Step cost (`CostModel`): three linear fits over a sliding window of steps, each from
-  the quantities that drive it: the draft pass [forwards (= max k), drafted tokens,
-  catch-up tokens, with a per-call constant], the verifier forward [1, rows, query tokens] and acceptance plus
+  the quantities that drive it: the draft pass [1, forwards (= max k), drafted tokens,
+  catch-up tokens], the verifier forward [1, rows, query tokens] and acceptance plus
   bookkeeping [1, rows, drafted tokens]. No offline profiling: the first
   `warmup_steps` steps cycle through k = K, K/2, 1, 0 (so every coefficient is seen),
   and afterwards every `explore_every`-th step moves the cap by one either way.
@@ -276,11 +276,20 @@ class SpeculationPolicy:
             ks = [int(np.ceil(r.ceiling * cycle)) for r in rows]
             return self._planned(rows, ks, gains, explored=True)
         ks = self._best(rows, gains)
-        if n % self.config.explore_every == 0 and gains.shape[1] > 1:
-            top = max(ks, default=0)
-            cap = top + 1 if (n // self.config.explore_every) % 2 else max(top - 1, 0)
-            if cap != top and cap < gains.shape[1]:
-                return self._planned(rows, self._best(rows, gains, caps=[cap]), gains, True)
+        if n % self.config.explore_every == 0 and ks:
+            # probe one step away from the choice, so the cost fits keep seeing how
+            # time moves with k: every other probe the longest rows draft one more,
+            # the others one less
+            top = max(ks)
+            up = (n // self.config.explore_every) % 2 == 1
+            probe = [
+                min(k + 1, r.ceiling) if up and k == top else min(k, top - 1) if not up else k
+                for r, k in zip(rows, ks, strict=True)
+            ]
+            probe = [k if r.fixed is None else r.fixed for r, k in zip(rows, probe, strict=True)]
+            probe = [max(k, 0) for k in probe]
+            if probe != ks:
+                return self._planned(rows, probe, gains, explored=True)
         return self._planned(rows, ks, gains)
 
     def _gains(self, rows: list[PolicyRow]) -> np.ndarray:
@@ -318,7 +327,9 @@ class SpeculationPolicy:
         for _ in range(6):
             value = gains[rows_idx, ks].sum(axis=1)
             top = ks.max(axis=1, initial=0)
-            total = fixed_t + (top > 0) * (per_call + per_fwd * top) + cost[rows_idx, ks].sum(axis=1)
+            total = (
+                fixed_t + (top > 0) * (per_call + per_fwd * top) + cost[rows_idx, ks].sum(axis=1)
+            )
             g_new = value / np.maximum(total, 1e-9)
             if np.allclose(g_new, g, rtol=1e-9, atol=0):
                 break
@@ -328,7 +339,10 @@ class SpeculationPolicy:
         return ks[int(np.argmax(g))].tolist()
 
     def _planned(self, rows, ks, gains: np.ndarray, explored: bool = False) -> Plan:
-        ks = [r.fixed if r.fixed is not None else min(max(int(k), 0), r.ceiling) for r, k in zip(rows, ks, strict=True)]
+        ks = [
+            r.fixed if r.fixed is not None else min(max(int(k), 0), r.ceiling)
+            for r, k in zip(rows, ks, strict=True)
+        ]
         expected = [float(gains[i, k]) for i, k in enumerate(ks)]
         t = self.cost.predict(ks, [r.lag for r in rows]) if self.cost.steps else 0.0
         return Plan(ks, expected, t, explored)

@@ -78,7 +78,10 @@ def server(tmp_path_factory):
             "max_queued_requests": 1,
             "max_message_bytes": 1 << 20,
         },
-        "speculation": {"delta_ceiling": 4.0, "max_num_speculative_tokens": 8},
+        # fixed: the seeded equalities below (over the wire = in-process, HTTP = gRPC)
+        # need a k schedule that does not depend on timings; the chat e2e server runs
+        # the default goodput policy
+        "speculation": {"delta_ceiling": 4.0, "max_num_speculative_tokens": 8, "policy": "fixed"},
     }
     with serving(config, tmp_path_factory.mktemp("serve")) as (proc, ready):
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)

@@ -149,7 +149,9 @@ def test_rows_and_token_budget_make_requests_wait_not_fail(embedded_engine, held
         embedded_engine.drafter,
         embedded_engine.verifier,
         embedded_engine.tokenizer,
-        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, min_prefill_chunk=4),
+        scheduler=SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=16, min_prefill_chunk=4, policy="fixed"
+        ),
     )
     long_prompt = " ".join(heldout_prompts[:6])
     reqs = [_req(heldout_prompts[i], f"w{i}", seed=40 + i, temperature=0.8) for i in range(4)]

@@ -37,7 +37,12 @@ def _req(prompt, rid, *, rule="cactus", delta=1.0, **sampling):
 @pytest.fixture(scope="module")
 def groups(ray_session):
     verifier, draft = embedded_dirs()
-    started = {tp: EngineGroup(GroupConfig(verifier, draft, tp_size=tp)).start() for tp in (1, 2)}
+    started = {
+        tp: EngineGroup(
+            GroupConfig(verifier, draft, tp_size=tp, speculation_policy="fixed")
+        ).start()
+        for tp in (1, 2)
+    }
     yield started
     for group in started.values():
         group.shutdown()
@@ -193,11 +198,27 @@ def test_cancelling_one_stream_leaves_the_batch_alone(groups, embedded_engine, h
 def test_dead_draft_actor_degrades_every_running_request(
     ray_session, embedded_engine, heldout_prompts
 ):
-    """Streams in flight when the draft actor dies finish by plain decoding: greedy
-    output equals the verifier's, no token lost or repeated on the stream."""
+    """Under the goodput policy (the default): k changes from step to step and the
+    prefetched draft blocks keep matching it (no request degrades), greedy output is
+    the verifier's. Then streams in flight when the draft actor dies finish by plain
+    decoding: greedy output equals the verifier's, no token lost or repeated."""
     verifier, draft = embedded_dirs()
     group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
     try:
+        warm = [
+            _req(heldout_prompts[i], f"goodput{i}", temperature=0.0, max_tokens=48)
+            for i in range(4)
+        ]
+        results = ray.get([group.rank0.generate.remote(r) for r in warm])
+        for req, result in zip(warm, results, strict=True):
+            plain = replace(
+                req, request_id="v-" + req.request_id, speculation=SpeculationParams(rule="none")
+            )
+            assert result.token_ids == embedded_engine.generate(plain).token_ids
+            assert result.stats.draft_failures == 0 and result.stats.num_drafts > 0
+        policy = ray.get(group.rank0.timings.remote())["policy"]
+        chosen = policy["groups"]["cactus:1"]["chosen_k"]
+        assert len([k for k, n in chosen.items() if n]) >= 3, chosen
         reqs = [
             _req(heldout_prompts[i], f"orphan{i}", temperature=0.0, max_tokens=40) for i in range(3)
         ]
@@ -224,7 +245,7 @@ def test_dead_draft_actor_degrades_every_running_request(
 
 def test_shutdown_leaves_no_actors_or_shm(ray_session):
     verifier, draft = embedded_dirs()
-    group = EngineGroup(GroupConfig(verifier, draft, tp_size=2)).start()
+    group = EngineGroup(GroupConfig(verifier, draft, tp_size=2, speculation_policy="fixed")).start()
     handles = [(group.draft, "status"), *[(r, "ping") for r in group.ranks]]
     assert group.healthy()
     group.shutdown()

@@ -95,7 +95,9 @@ def _trained_policy(p_accept: dict[str, float], steps: int = 300, cost=_observe)
 
 
 def _goodput(policy, rows, ks):
-    gains = [expected_tokens(policy.acceptance.alphas(r.request_id, r.group, r.ceiling)) for r in rows]
+    gains = [
+        expected_tokens(policy.acceptance.alphas(r.request_id, r.group, r.ceiling)) for r in rows
+    ]
     return sum(g[k] for g, k in zip(gains, ks, strict=True)) / _true_cost(ks)
 
 
@@ -105,9 +107,7 @@ def test_the_choice_is_the_best_k_vector():
     policy = _trained_policy({"hi": 0.9, "lo": 0.35})
     rows = [PolicyRow("hi-0", "hi", 8), PolicyRow("hi-1", "hi", 8), PolicyRow("lo-0", "lo", 8)]
     plan = policy.plan(rows)
-    best = max(
-        _goodput(policy, rows, ks) for ks in itertools.product(range(9), repeat=len(rows))
-    )
+    best = max(_goodput(policy, rows, ks) for ks in itertools.product(range(9), repeat=len(rows)))
     assert _goodput(policy, rows, plan.ks) >= 0.99 * best
     assert plan.ks[0] > plan.ks[2]  # the group that accepts more drafts more
 
@@ -244,9 +244,7 @@ def _recording_init(init, generators):
 def test_greedy_output_is_the_verifiers_whatever_k_the_policy_chooses(goodput_engine):
     from workers.local import local_engine
 
-    fixed_engine = local_engine(
-        *_dirs(), scheduler=SchedulerConfig(policy="fixed")
-    )
+    fixed_engine = local_engine(*_dirs(), scheduler=SchedulerConfig(policy="fixed"))
     reqs = _requests(4, rule="cactus", temperature=0.0, max_tokens=40)
     plain = _run(fixed_engine, [_with_rule(r, "none") for r in reqs])
     good = _run(goodput_engine, reqs)

@@ -92,7 +92,9 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
     ray_session, embedded_engine, heldout_prompts
 ):
     verifier, draft = embedded_dirs()
-    group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
+    ).start()
     sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5))
     prompts = _prompts(embedded_engine, heldout_prompts, 2)
     # Long enough to outlive the replacement (a new worker process loads the model).
@@ -138,7 +140,9 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
     ray_session, embedded_engine, heldout_prompts, victim
 ):
     verifier, draft = embedded_dirs()
-    group = EngineGroup(GroupConfig(verifier, draft, tp_size=2, rpc_timeout_s=5)).start()
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=2, rpc_timeout_s=5, speculation_policy="fixed")
+    ).start()
     sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5))
     prompts = _prompts(embedded_engine, heldout_prompts[4:], 4)
     reqs = [

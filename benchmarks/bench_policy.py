@@ -1,0 +1,280 @@
+"""The goodput speculation policy against every fixed K, served, side by side.
+
+    python -m benchmarks.bench_policy [--quick] [--seconds S] [--rounds R]
+                                      [--levels 1 4 8 16] [--plot PATH]
+
+Two servers run at once, as `make serve` runs them (TP = 1, embedded pair): one with
+`speculation.policy: fixed`, one with `goodput`. For each load level (concurrent
+streaming clients, 64-token completions of "def parse(text):" as in the load section)
+and each rule (cactus delta 1, sps), the fixed server is measured at K = 2, 4, 6, 8 (the
+request's num_speculative_tokens) and K = 0 (rule none), and the goodput server with
+K = 8 as its ceiling, cell after cell, `--rounds` times in rotated order; tokens/s is
+the mean over rounds. The goodput server's rank 0 reports what the policy chose (mean
+k, histogram) and predicted (tokens and step time) against what the steps gave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks.load import REPO, ServerProcess, run_level
+
+FIXED_KS = (0, 2, 4, 6, 8)
+RULES = ("cactus", "sps")
+CEILING = 8
+MAX_TOKENS = 64
+
+
+def _server(policy: str, levels: list[int]) -> ServerProcess:
+    spec = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())["speculation"]
+    return ServerProcess(
+        {
+            "tp_size": 1,
+            "speculation": {**spec, "policy": policy},
+            "limits": {"max_ongoing_requests": max(levels), "max_queued_requests": 4 * max(levels)},
+        }
+    )
+
+
+def _rank0_policy() -> dict:
+    """The goodput server's policy statistics (this process is its Ray driver)."""
+    import ray
+
+    names = [
+        e["name"]
+        for e in ray.util.list_named_actors(all_namespaces=True)
+        if e["namespace"] == "cactus" and e["name"].endswith("-rank0")
+    ]
+    actor = ray.get_actor(names[0], namespace="cactus")
+    return ray.get(actor.timings.remote(), timeout=60)["policy"]
+
+
+def _delta(after: dict, before: dict) -> dict:
+    """Policy statistics of the window between two snapshots, per group."""
+    out = {
+        "predicted_time_s": after["predicted_time_s"] - before["predicted_time_s"],
+        "realised_time_s": after["realised_time_s"] - before["realised_time_s"],
+        "steps": after["steps"] - before["steps"],
+        "groups": {},
+    }
+    for group, g in after["groups"].items():
+        b = before["groups"].get(
+            group, {"rows": 0, "chosen_k": {}, "predicted_tokens": 0.0, "realised_tokens": 0}
+        )
+        ks = {int(k): n - b["chosen_k"].get(k, 0) for k, n in g["chosen_k"].items()}
+        rows = g["rows"] - b["rows"]
+        if rows:
+            out["groups"][group] = {
+                "rows": rows,
+                "chosen_k": {k: n for k, n in sorted(ks.items()) if n},
+                "mean_k": sum(k * n for k, n in ks.items()) / rows,
+                "predicted_tokens": g["predicted_tokens"] - b["predicted_tokens"],
+                "realised_tokens": g["realised_tokens"] - b["realised_tokens"],
+            }
+    return out
+
+
+def measure(args) -> list[dict]:
+    fixed, good = _server("fixed", args.levels), _server("goodput", args.levels)
+    rows: list[dict] = []
+    try:
+        fixed.wait_ready()
+        good.wait_ready()
+        import ray
+
+        ray.init(address=good.ray_address(), log_to_driver=False, configure_logging=False)
+        for rule in RULES:  # warm-up: compile paths, and let the policy learn a little
+            run_level(fixed.address, rule, 2, 2.0, max_tokens=16)
+            run_level(
+                good.address,
+                rule,
+                4,
+                args.warmup,
+                max_tokens=MAX_TOKENS,
+                num_speculative_tokens=CEILING,
+            )
+        for clients in args.levels:
+            cells: dict[tuple, list[float]] = {}
+            policy: dict[str, dict] = {}
+            for rnd in range(args.rounds):
+                plan = [("none", 0)] + [(r, k) for r in RULES for k in (*FIXED_KS[1:], "goodput")]
+                plan = plan[rnd % len(plan) :] + plan[: rnd % len(plan)]
+                for rule, k in plan:
+                    if k == "goodput":
+                        before = _rank0_policy()
+                        res = run_level(
+                            good.address,
+                            rule,
+                            clients,
+                            args.seconds,
+                            max_tokens=MAX_TOKENS,
+                            num_speculative_tokens=CEILING,
+                        )
+                        _merge(policy.setdefault(rule, {}), _delta(_rank0_policy(), before))
+                    else:
+                        res = run_level(
+                            fixed.address,
+                            rule,
+                            clients,
+                            args.seconds,
+                            max_tokens=MAX_TOKENS,
+                            num_speculative_tokens=max(k, 1),
+                        )
+                    if res.errors:
+                        raise RuntimeError(
+                            f"{res.errors} failed requests at {clients} x {rule} K={k}"
+                        )
+                    cells.setdefault((rule, k), []).append(res.tokens_per_s)
+                    print(
+                        f"# {clients} clients {rule} K={k}: {res.tokens_per_s:.1f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            mean = {key: sum(v) / len(v) for key, v in cells.items()}
+            for rule in RULES:
+                fixed_tps = {0: mean["none", 0], **{k: mean[rule, k] for k in FIXED_KS[1:]}}
+                best_k = max(fixed_tps, key=fixed_tps.get)
+                p = policy[rule]
+                groups = p.get("groups", {})
+                g = next(iter(groups.values()), {})
+                rows.append(
+                    {
+                        "clients": clients,
+                        "rule": rule,
+                        "fixed": fixed_tps,
+                        "goodput": mean[rule, "goodput"],
+                        "best_k": best_k,
+                        "ratio": mean[rule, "goodput"] / fixed_tps[best_k],
+                        "group": next(iter(groups), rule),
+                        "mean_k": g.get("mean_k", 0.0),
+                        "chosen_k": g.get("chosen_k", {}),
+                        "tokens_ratio": g.get("predicted_tokens", 0.0)
+                        / max(g.get("realised_tokens", 0), 1e-9),
+                        "time_ratio": p.get("predicted_time_s", 0.0)
+                        / max(p.get("realised_time_s", 0.0), 1e-9),
+                    }
+                )
+    finally:
+        good.stop()
+        fixed.stop()
+    return rows
+
+
+def _merge(into: dict, d: dict) -> None:
+    """Add one window's policy statistics to the level's."""
+    for key in ("predicted_time_s", "realised_time_s", "steps"):
+        into[key] = into.get(key, 0) + d[key]
+    groups = into.setdefault("groups", {})
+    for name, g in d["groups"].items():
+        t = groups.setdefault(
+            name, {"rows": 0, "chosen_k": {}, "predicted_tokens": 0.0, "realised_tokens": 0}
+        )
+        t["rows"] += g["rows"]
+        t["predicted_tokens"] += g["predicted_tokens"]
+        t["realised_tokens"] += g["realised_tokens"]
+        for k, n in g["chosen_k"].items():
+            t["chosen_k"][k] = t["chosen_k"].get(k, 0) + n
+        t["mean_k"] = sum(k * n for k, n in t["chosen_k"].items()) / t["rows"]
+
+
+def table(rows: list[dict], args) -> str:
+    head = " | ".join(f"K={k}" for k in FIXED_KS)
+    lines = [
+        f"# speculation policy, served (TP = 1, embedded pair), {args.seconds:g} s x "
+        f"{args.rounds} rounds per cell, {MAX_TOKENS}-token streams, goodput ceiling K = {CEILING}",
+        "",
+        f"| Clients | Rule | {head} | goodput | vs best fixed | mean k | k chosen (rows) "
+        "| predicted / realised tokens | predicted / realised step time |",
+        "|---|---|" + "---|" * len(FIXED_KS) + "---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fixed = " | ".join(
+            f"**{r['fixed'][k]:.1f}**" if k == r["best_k"] else f"{r['fixed'][k]:.1f}"
+            for k in FIXED_KS
+        )
+        hist = ", ".join(f"{k}: {n}" for k, n in r["chosen_k"].items())
+        lines.append(
+            f"| {r['clients']} | {r['group']} | {fixed} | {r['goodput']:.1f} | "
+            f"{r['ratio']:.3f}x (K={r['best_k']}) | {r['mean_k']:.2f} | {hist} | "
+            f"{r['tokens_ratio']:.3f} | {r['time_ratio']:.3f} |"
+        )
+    worst = min(rows, key=lambda r: r["ratio"])
+    lines += [
+        "",
+        f"# lowest goodput / best fixed K: {worst['ratio']:.3f}x ({worst['rule']}, "
+        f"{worst['clients']} clients); predicted / realised tokens "
+        f"{min(r['tokens_ratio'] for r in rows):.3f}-{max(r['tokens_ratio'] for r in rows):.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(RULES), figsize=(11, 4), sharey=True)
+    for ax, rule in zip(axes, RULES, strict=True):
+        mine = [r for r in rows if r["rule"] == rule]
+        levels = [r["clients"] for r in mine]
+        for k in FIXED_KS:
+            ax.plot(
+                levels,
+                [r["fixed"][k] for r in mine],
+                marker="o",
+                alpha=0.6,
+                label=f"fixed K={k}" + (" (plain)" if k == 0 else ""),
+            )
+        ax.plot(
+            levels,
+            [r["goodput"] for r in mine],
+            marker="s",
+            color="black",
+            linewidth=2.5,
+            label="goodput policy",
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(v) for v in levels])
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_title(mine[0]["group"] if mine else rule)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("output tokens/s")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle("Served tokens/s: fixed K vs the goodput policy (TP = 1, embedded pair)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round of 4 s cells")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--warmup", type=float, default=8.0)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.seconds = args.seconds or (4.0 if args.quick else 6.0)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    from cactus import environment
+
+    environment.apply()
+    started = time.monotonic()
+    rows = measure(args)
+    print(table(rows, args))
+    print(f"# {time.monotonic() - started:.0f} s")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"# plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
