@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch bench-chaos bench-http generate models clean
+.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch bench-chaos bench-http bench-policy generate models clean
 
 setup: $(STAMP) protos
 
@@ -65,6 +65,10 @@ bench-http: setup
 # Engine actors killed under 8 streaming clients: lost/duplicated tokens, recovery times.
 bench-chaos: setup
 	$(PY) -m benchmarks.bench_chaos $(if $(QUICK),--quick,)
+
+# The goodput speculation policy vs fixed K = 0..8, served, at 1/4/8/16 clients (+ a plot).
+bench-policy: setup
+	$(PY) -m benchmarks.bench_policy $(if $(QUICK),--quick,) --plot benchmarks/results/policy.png
 
 # Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min.
 bench: setup

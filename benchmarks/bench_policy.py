@@ -254,14 +254,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round of 4 s cells")
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--quick", action="store_true", help="1 and 8 clients, one round of 3 s")
+    parser.add_argument("--levels", type=int, nargs="+", default=None)
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--warmup", type=float, default=8.0)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
-    args.seconds = args.seconds or (4.0 if args.quick else 6.0)
+    args.levels = args.levels or ([1, 8] if args.quick else [1, 4, 8, 16])
+    args.seconds = args.seconds or (3.0 if args.quick else 6.0)
     args.rounds = args.rounds or (1 if args.quick else 2)
     from cactus import environment
 

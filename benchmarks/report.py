@@ -138,6 +138,7 @@ def write_report(
     extra_plots=(),
     command="",
     chaos="",
+    policy="",
 ) -> None:
     plots = [*extra_plots, *_plots(path, quality, load)]
     lines = [
@@ -172,11 +173,15 @@ def write_report(
         "",
         *(_load_table(load) if load else ["(skipped)"]),
         "",
-        "## 4. Chaos: engine actors killed under streaming load",
+        "## 4. Speculation policy: goodput vs fixed K, served",
+        "",
+        policy or "(skipped)",
+        "",
+        "## 5. Chaos: engine actors killed under streaming load",
         "",
         chaos or "(skipped)",
         "",
-        "## 5. Plots",
+        "## 6. Plots",
         "",
         *[f"![{name}]({name})" for name in plots],
         "",

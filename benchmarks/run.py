@@ -2,6 +2,7 @@
 
     python -m benchmarks.run [--quick | --tiny] [--out benchmarks/results]
                              [--skip-micro] [--skip-quality] [--skip-load]
+                             [--skip-policy] [--skip-chaos]
 
 Writes benchmarks/results/<date>-<host>.md and PNG plots beside it (regenerated data,
 never hand-edited). Phases:
@@ -9,8 +10,9 @@ never hand-edited). Phases:
      embedded pair and on a Qwen3-shaped pair with a 151,936-token vocabulary
   2. quality vs speed on held-out function completions (benchmarks/quality.py)
   3. serving load: 1/4/8/16 concurrent streaming gRPC clients (benchmarks/load.py)
-  4. chaos: engine actors killed under streaming load (benchmarks/bench_chaos.py)
-  5. plots
+  4. speculation policy: goodput vs fixed K = 0..8, served (benchmarks/bench_policy.py)
+  5. chaos: engine actors killed under streaming load (benchmarks/bench_chaos.py)
+  6. plots
 --quick finishes in under 10 minutes on 2 cores; --tiny (used by the test suite) in
 well under a minute.
 """
@@ -138,6 +140,20 @@ def load_phase(mode: str):
     return [summary(r) for r in results]
 
 
+def policy_phase(mode: str, stem: Path) -> tuple[str, list[str]]:
+    """The policy benchmark as `make bench-policy` runs it (--quick in quick mode)."""
+    plot = stem.with_name(stem.name + "-policy.png")
+    quick = ["--quick"] if mode != "full" else []
+    cmd = [sys.executable, "-m", "benchmarks.bench_policy", *quick, "--plot", str(plot)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
+    if not table:
+        tail = proc.stderr.strip().splitlines()[-1:]
+        return f"(failed, exit {proc.returncode}: {tail})", []
+    text = f"`python -m benchmarks.bench_policy{' --quick' if quick else ''}`\n\n"
+    return text + "\n".join(table), [plot.name] if plot.exists() else []
+
+
 def chaos_phase(mode: str) -> str:
     """The chaos benchmark as `make bench-chaos` runs it (--quick in quick mode)."""
     cmd = [sys.executable, "-m", "benchmarks.bench_chaos", *(["--quick"] if mode != "full" else [])]
@@ -160,6 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-policy", action="store_true")
     parser.add_argument("--skip-chaos", action="store_true")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
@@ -175,6 +192,9 @@ def main(argv=None) -> int:
     micro_text, micro_plots = ("", []) if args.skip_micro else micro(mode, path.with_suffix(""))
     tasks, quality = ([], []) if args.skip_quality else quality_phase(mode)
     load = [] if args.skip_load else load_phase(mode)
+    policy, policy_plots = (
+        ("", []) if args.skip_policy or mode == "tiny" else policy_phase(mode, path.with_suffix(""))
+    )
     chaos = "" if args.skip_chaos or mode == "tiny" else chaos_phase(mode)
 
     from benchmarks.report import write_report
@@ -190,9 +210,10 @@ def main(argv=None) -> int:
         load=load,
         seconds=time.monotonic() - started,
         settings=SETTINGS[mode],
-        extra_plots=micro_plots,
+        extra_plots=[*micro_plots, *policy_plots],
         command=" ".join(sys.argv[1:]),
         chaos=chaos,
+        policy=policy,
     )
     print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return 0

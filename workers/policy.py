@@ -12,9 +12,10 @@ models it learns online from this engine's own steps:
   row of the same batch want different k). A row drafting k tokens emits
   E(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_m tokens in expectation.
 - Step cost (`CostModel`): three linear fits over a sliding window of steps, each from
-  the quantities that drive it: the draft pass [1, forwards (= max k), drafted tokens,
-  catch-up tokens], the verifier forward [1, rows, query tokens] and acceptance plus
-  bookkeeping [1, rows, drafted tokens]. No offline profiling: the first
+  the quantities that drive it. A step is a dense [rows, max k + 1] block, so: the
+  draft pass [1, max k, drafting rows x max k, catch-up tokens], the verifier forward
+  [1, rows, rows x (max k + 1)], acceptance plus bookkeeping [1, rows, drafted
+  tokens]. No offline profiling: the first
   `warmup_steps` steps cycle through k = K, K/2, 1, 0 (so every coefficient is seen),
   and afterwards every `explore_every`-th step moves the cap by one either way.
 
@@ -207,44 +208,42 @@ class _Fit:
 
 
 class CostModel:
-    """Decode step time as a function of the batch's k: draft + verify + rest."""
+    """Decode step time as a function of the batch's k: draft + verify + rest.
+
+    Our runners compute a step as a dense [rows, max k + 1] block (a row drafting less
+    is padding), so the verifier forward follows rows x (max k + 1) and the draft pass
+    drafting rows x max k; what grows with each row's own k is the vocabulary-sized
+    work (sampling processing, the kernel, the draft probabilities' transport)."""
 
     def __init__(self, window: int) -> None:
-        self.draft = _Fit(4, window)  # [1, forwards, drafted tokens, catch-up tokens]
-        self.verify = _Fit(3, window)  # [1, rows, query tokens]
+        self.draft = _Fit(4, window)  # [1, max k, drafting rows x max k, catch-up tokens]
+        self.verify = _Fit(3, window)  # [1, rows, rows x (max k + 1)]
         self.rest = _Fit(3, window)  # [1, rows, drafted tokens]
         self.steps = 0
 
-    def observe(self, ks, lags, draft_s: float, verify_s: float, rest_s: float) -> None:
-        b, drafted = len(ks), sum(ks)
-        kmax = max(ks, default=0)
+    @staticmethod
+    def features(ks, lags):
+        b, kmax = len(ks), max(ks, default=0)
+        drafting = sum(1 for k in ks if k)
         catch = sum(lag for k, lag in zip(ks, lags, strict=True) if k > 0)
-        if kmax:
-            self.draft.add([1.0, kmax, drafted, catch], draft_s)
-        self.verify.add([1.0, b, b + drafted], verify_s)
-        self.rest.add([1.0, b, drafted], rest_s)
+        draft = [1.0, kmax, drafting * kmax, catch] if kmax else None
+        return draft, [1.0, b, b * (kmax + 1)], [1.0, b, sum(ks)]
+
+    def observe(self, ks, lags, draft_s: float, verify_s: float, rest_s: float) -> None:
+        fd, fv, fr = self.features(ks, lags)
+        if fd is not None:
+            self.draft.add(fd, draft_s)
+        self.verify.add(fv, verify_s)
+        self.rest.add(fr, rest_s)
         self.steps += 1
 
-    def parts(self) -> tuple[float, float, float, float, float, float]:
-        """(base, per row, per drafted token, per draft call, per draft forward, per
-        catch-up token): T = base + per_row * B + per_token * sum k
-        + [max k > 0] (per_call + per_forward * max k) + per_catch * catch-up tokens."""
-        d, v, r = self.draft.coef(), self.verify.coef(), self.rest.coef()
-        return (
-            float(v[0] + r[0]),
-            float(v[1] + v[2] + r[1]),  # per row
-            float(v[2] + r[2] + d[2]),  # per drafted token
-            float(d[0]),  # per draft call
-            float(d[1]),  # per draft forward
-            float(d[3]),  # per catch-up token
-        )
-
     def predict(self, ks, lags) -> float:
-        base, per_row, per_tok, per_call, per_fwd, per_catch = self.parts()
-        kmax = max(ks, default=0)
-        catch = sum(lag for k, lag in zip(ks, lags, strict=True) if k > 0)
-        draft = per_call + per_fwd * kmax if kmax else 0.0
-        return base + per_row * len(ks) + per_tok * sum(ks) + draft + per_catch * catch
+        fd, fv, fr = self.features(ks, lags)
+        t = float(np.dot(self.verify.coef(), fv) + np.dot(self.rest.coef(), fr))
+        return t + (float(np.dot(self.draft.coef(), fd)) if fd is not None else 0.0)
+
+    def coefs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.draft.coef(), self.verify.coef(), self.rest.coef()
 
 
 class SpeculationPolicy:
@@ -308,33 +307,39 @@ class SpeculationPolicy:
         return gains
 
     def _best(self, rows: list[PolicyRow], gains: np.ndarray, caps=None) -> list[int]:
-        """The ks maximising sum E_i(k_i) / T(k): for every cap on max k at once,
-        Dinkelbach iterations over the per-row choices (E_i is concave in k; T is
-        linear in the rows' k given the cap)."""
-        base, per_row, per_tok, per_call, per_fwd, per_catch = self.cost.parts()
+        """The ks maximising sum E_i(k_i) / T(k): for every cap c on max k at once,
+        Dinkelbach iterations over the per-row choices (E_i is concave in k; given the
+        cap, T is a constant plus a cost per drafting row and per drafted token)."""
+        d, v, r = self.cost.coefs()
         n, width = gains.shape
-        floor = max((r.fixed for r in rows if r.fixed is not None), default=0)
+        floor = max((r_.fixed for r_ in rows if r_.fixed is not None), default=0)
         caps = np.arange(floor, width) if caps is None else np.maximum(np.asarray(caps), floor)
         k = np.arange(width)
-        lags = np.array([r.lag for r in rows], dtype=float)
-        cost = per_tok * k[None, :] + per_catch * lags[:, None] * (k[None, :] > 0)  # [n, W]
+        lags = np.array([r_.lag for r_ in rows], dtype=float)
+        # cost[c, i, k] of row i drafting k under cap c (= the step's max k)
+        drafting = k[None, None, :] > 0
+        cost = r[2] * k[None, None, :] + drafting * (
+            d[2] * caps[:, None, None] + d[3] * lags[None, :, None]
+        )
         allowed = np.isfinite(gains)[None, :, :] & (k[None, None, :] <= caps[:, None, None])
-        start = np.where(allowed, k[None, None, :], -1).max(axis=2)  # [C, n] largest allowed
-        ks = start
-        rows_idx = np.arange(n)[None, :]
-        fixed_t = base + per_row * n
+        ks = np.where(allowed, k[None, None, :], -1).max(axis=2)  # [C, n]: largest allowed
+        idx = np.arange(n)[None, :]
         g = np.zeros(len(caps))
         for _ in range(6):
-            value = gains[rows_idx, ks].sum(axis=1)
             top = ks.max(axis=1, initial=0)
             total = (
-                fixed_t + (top > 0) * (per_call + per_fwd * top) + cost[rows_idx, ks].sum(axis=1)
+                v[0]
+                + r[0]
+                + (v[1] + r[1]) * n
+                + v[2] * n * (top + 1)
+                + (top > 0) * (d[0] + d[1] * top)
+                + cost[np.arange(len(caps))[:, None], idx, ks].sum(axis=1)
             )
-            g_new = value / np.maximum(total, 1e-9)
+            g_new = gains[idx, ks].sum(axis=1) / np.maximum(total, 1e-9)
             if np.allclose(g_new, g, rtol=1e-9, atol=0):
                 break
             g = g_new
-            score = np.where(allowed, gains[None] - g[:, None, None] * cost[None], -np.inf)
+            score = np.where(allowed, gains[None] - g[:, None, None] * cost, -np.inf)
             ks = score.argmax(axis=2)
         return ks[int(np.argmax(g))].tolist()
 
