@@ -262,8 +262,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
     args.levels = args.levels or ([1, 8] if args.quick else [1, 4, 8, 16])
-    args.seconds = args.seconds or (3.0 if args.quick else 6.0)
-    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.seconds = args.seconds or (3.0 if args.quick else 7.0)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     from cactus import environment
 
     environment.apply()
