@@ -63,3 +63,36 @@ def test_batch_sweep_prints_every_rule_and_batch_size():
     }
     assert all(float(r[2]) > 0 for r in rows)
     assert "# plain decoding overtakes" in proc.stdout and "peak resident" in proc.stdout
+
+
+def test_policy_bench_measures_every_fixed_k_and_the_policy(tmp_path):
+    """`make bench-policy` cannot rot: two real servers (fixed and goodput), one level,
+    every cell measured with 0 errors, the table and the plot written."""
+    plot = tmp_path / "policy.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_policy",
+            *("--levels", "1", "--seconds", "1.5", "--rounds", "1", "--warmup", "1.5"),
+            *("--plot", str(plot)),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = re.findall(
+        r"^\| 1 \| (cactus:1|sps) \| ([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\| ([\d.]+) \| "
+        r"([\d.]+)x \(K=(\d)\) \| ([\d.]+) \|",
+        proc.stdout,
+        re.M,
+    )
+    assert {r[0] for r in rows} == {"cactus:1", "sps"}, proc.stdout
+    for r in rows:
+        fixed = [float(c.strip().strip("*")) for c in r[1:6]]
+        assert all(v > 0 for v in fixed) and float(r[6]) > 0
+        assert float(r[7]) == pytest.approx(float(r[6]) / max(fixed), abs=2e-3)
+        assert int(r[8]) in (0, 2, 4, 6, 8) and 0 <= float(r[9]) <= 8
+    assert plot.exists() and plot.stat().st_size > 10_000
