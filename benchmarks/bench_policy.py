@@ -79,12 +79,31 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
+def _started(policy: str, levels: list[int]) -> ServerProcess:
+    """A ready server; one more try if the first did not start (two local Ray
+    clusters started back to back can race for a port)."""
+    for attempt in (1, 2):
+        server = _server(policy, levels)
+        try:
+            server.wait_ready()
+            return server
+        except RuntimeError as err:
+            server.stop()
+            if attempt == 2:
+                raise
+            print(f"# the {policy} server did not start, once more: {err}", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
 def measure(args) -> list[dict]:
-    fixed, good = _server("fixed", args.levels), _server("goodput", args.levels)
+    fixed = _started("fixed", args.levels)
+    try:
+        good = _started("goodput", args.levels)
+    except BaseException:
+        fixed.stop()
+        raise
     rows: list[dict] = []
     try:
-        fixed.wait_ready()
-        good.wait_ready()
         import ray
 
         ray.init(address=good.ray_address(), log_to_driver=False, configure_logging=False)

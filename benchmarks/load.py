@@ -72,14 +72,16 @@ class ServerProcess:
 
     def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
+        seen: list[str] = []
         for line in self.proc.stdout:
             if line.startswith("READY"):
                 self.ready_line = line
                 threading.Thread(target=self._drain, daemon=True).start()
                 return
+            seen = [*seen[-29:], line]
             if time.monotonic() > deadline:
                 break
-        raise RuntimeError("server did not start")
+        raise RuntimeError("server did not start; its last output:\n" + "".join(seen))
 
     def ray_address(self) -> str:
         """The server's Ray head, from its READY line ("... (ray ADDRESS)")."""
