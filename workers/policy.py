@@ -15,7 +15,9 @@ models it learns online from this engine's own steps:
   the quantities that drive it. A step is a dense [rows, max k + 1] block, so: the
   draft pass [1, max k, drafting rows x max k, catch-up tokens], the verifier forward
   [1, rows, rows x (max k + 1)], acceptance plus bookkeeping [1, rows, drafted
-  tokens]. No offline profiling: the first
+  tokens]. Prefill and admission stay out: their cost follows the requests that
+  finish, i.e. the tokens emitted, and a cost per emitted token does not move the
+  k that maximises tokens per second of decoding. No offline profiling: the first
   `warmup_steps` steps cycle through k = K, K/2, 1, 0 (so every coefficient is seen),
   and afterwards every `explore_every`-th step moves the cap by one either way.
 
