@@ -94,6 +94,7 @@ def main(argv=None) -> None:
 
     from workers.group import EngineGroup, GroupConfig
     from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
 
     verifier = args.verifier or str(DEFAULT_VERIFIER)
     draft = args.draft or str(DEFAULT_DRAFT)
@@ -107,11 +108,14 @@ def main(argv=None) -> None:
         niceness = os.nice(worker_nice - niceness)
     groups = {}
     try:
-        local = local_engine(verifier, draft)
+        # both sides draft every row's K (policy fixed): only the transport differs
+        local = local_engine(verifier, draft, scheduler=SchedulerConfig(policy="fixed"))
         runners = [_Runner("in-process", local.generate)]
         for tp in (1, 2):
             groups[tp] = EngineGroup(
-                GroupConfig(verifier, draft, tp_size=tp, threads=args.threads)
+                GroupConfig(
+                    verifier, draft, tp_size=tp, threads=args.threads, speculation_policy="fixed"
+                )
             ).start()
             rank0 = groups[tp].rank0
             runners.append(

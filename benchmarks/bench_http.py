@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.load import ServerProcess
+from benchmarks.load import ServerProcess, speculation
 from client import CactusClient
 
 PROMPTS = ["def parse(text):", "class Stack:", "def fibonacci(n):", "def merge(a, b):"]
@@ -34,7 +34,9 @@ def main(argv=None) -> None:
     environment.apply()
     import openai
 
-    server = ServerProcess({"tp_size": 1})
+    # policy fixed: the same seed must give the same text over both paths (under the
+    # goodput policy k, and so the sampled text, depends on timings)
+    server = ServerProcess({"tp_size": 1, "speculation": speculation(policy="fixed")})
     rates: dict[str, list[float]] = {"grpc": [], "http": []}
     try:
         server.wait_ready()

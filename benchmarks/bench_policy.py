@@ -20,9 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
-from benchmarks.load import REPO, ServerProcess, run_level
+from benchmarks.load import ServerProcess, run_level, speculation
 
 FIXED_KS = (0, 2, 4, 6, 8)
 RULES = ("cactus", "sps")
@@ -31,11 +29,10 @@ MAX_TOKENS = 64
 
 
 def _server(policy: str, levels: list[int]) -> ServerProcess:
-    spec = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())["speculation"]
     return ServerProcess(
         {
             "tp_size": 1,
-            "speculation": {**spec, "policy": policy},
+            "speculation": speculation(policy=policy),
             "limits": {"max_ongoing_requests": max(levels), "max_queued_requests": 4 * max(levels)},
         }
     )

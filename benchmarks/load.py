@@ -49,6 +49,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def speculation(**changes) -> dict:
+    """The default config's speculation section with `changes` (ServerProcess's
+    overrides replace whole top-level sections)."""
+    spec = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())["speculation"]
+    return {**spec, **changes}
+
+
 class ServerProcess:
     """`python -m deployments.serve` with a temporary config; stopped with SIGINT."""
 

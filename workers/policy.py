@@ -15,7 +15,9 @@ models it learns online from this engine's own steps:
   the quantities that drive it. A step is a dense [rows, max k + 1] block, so: the
   draft pass [1, max k, drafting rows x max k, catch-up tokens], the verifier forward
   [1, rows, rows x (max k + 1)], acceptance plus bookkeeping [1, rows, drafted
-  tokens]. Prefill and admission stay out: their cost follows the requests that
+  tokens, drafting rows x max k] (the last: a remote draft pass of the next step runs
+  meanwhile and slows this side on a shared machine, in proportion to its own work,
+  not to each row's k). Prefill and admission stay out: their cost follows the requests that
   finish, i.e. the tokens emitted, and a cost per emitted token does not move the
   k that maximises tokens per second of decoding. No offline profiling: the first
   `warmup_steps` steps cycle through k = K, K/2, 1, 0 (so every coefficient is seen),
@@ -220,7 +222,7 @@ class CostModel:
     def __init__(self, window: int) -> None:
         self.draft = _Fit(4, window)  # [1, max k, drafting rows x max k, catch-up tokens]
         self.verify = _Fit(3, window)  # [1, rows, rows x (max k + 1)]
-        self.rest = _Fit(3, window)  # [1, rows, drafted tokens]
+        self.rest = _Fit(4, window)  # [1, rows, drafted tokens, drafting rows x max k]
         self.steps = 0
 
     @staticmethod
@@ -229,7 +231,7 @@ class CostModel:
         drafting = sum(1 for k in ks if k)
         catch = sum(lag for k, lag in zip(ks, lags, strict=True) if k > 0)
         draft = [1.0, kmax, drafting * kmax, catch] if kmax else None
-        return draft, [1.0, b, b * (kmax + 1)], [1.0, b, sum(ks)]
+        return draft, [1.0, b, b * (kmax + 1)], [1.0, b, sum(ks), drafting * kmax]
 
     def observe(self, ks, lags, draft_s: float, verify_s: float, rest_s: float) -> None:
         fd, fv, fr = self.features(ks, lags)
@@ -321,7 +323,7 @@ class SpeculationPolicy:
         # cost[c, i, k] of row i drafting k under cap c (= the step's max k)
         drafting = k[None, None, :] > 0
         cost = r[2] * k[None, None, :] + drafting * (
-            d[2] * caps[:, None, None] + d[3] * lags[None, :, None]
+            (d[2] + r[3]) * caps[:, None, None] + d[3] * lags[None, :, None]
         )
         allowed = np.isfinite(gains)[None, :, :] & (k[None, None, :] <= caps[:, None, None])
         ks = np.where(allowed, k[None, None, :], -1).max(axis=2)  # [C, n]: largest allowed
