@@ -66,9 +66,10 @@ bench-http: setup
 bench-chaos: setup
 	$(PY) -m benchmarks.bench_chaos $(if $(QUICK),--quick,)
 
-# The goodput speculation policy vs fixed K = 0..8, served, at 1/4/8/16 clients (+ a plot).
+# The goodput speculation policy vs fixed K = 0..8, served, at 1/4/8/16 clients (plot: .cache/policy.png).
 bench-policy: setup
-	$(PY) -m benchmarks.bench_policy $(if $(QUICK),--quick,) --plot benchmarks/results/policy.png
+	@mkdir -p $(CACHE)
+	$(PY) -m benchmarks.bench_policy $(if $(QUICK),--quick,) --plot $(CACHE)/policy.png
 
 # Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min.
 bench: setup
