@@ -175,38 +175,45 @@ def expected_tokens(alphas: np.ndarray) -> np.ndarray:
 
 class _Fit:
     """Least squares over a sliding window, with a small ridge pull towards zero for the
-    directions the window has not explored; coefficients are kept >= 0."""
+    directions the window has not explored; coefficients are kept >= 0. The window's
+    X^T X and X^T y are kept up to date as steps come and go, so a refit is a few
+    n x n solves, not a pass over the window."""
 
     def __init__(self, n: int, window: int) -> None:
-        self.x: deque = deque(maxlen=window)
-        self.y: deque = deque(maxlen=window)
+        self.rows: deque = deque(maxlen=window)  # (x, y)
+        self.xtx = np.zeros((n, n))
+        self.xty = np.zeros(n)
+        self.scale = np.full(n, 1e-9)  # largest |x| seen per feature (conditioning)
         self.theta = np.zeros(n)
         self._stale = False
 
     def add(self, x, y: float) -> None:
-        self.x.append(np.asarray(x, dtype=float))
-        self.y.append(float(y))
+        x, y = np.asarray(x, dtype=float), float(y)
+        if len(self.rows) == self.rows.maxlen:
+            old_x, old_y = self.rows[0]
+            self.xtx -= np.outer(old_x, old_x)
+            self.xty -= old_x * old_y
+        self.rows.append((x, y))
+        self.xtx += np.outer(x, x)
+        self.xty += x * y
+        self.scale = np.maximum(self.scale, np.abs(x))
         self._stale = True
 
     def coef(self) -> np.ndarray:
-        if self._stale and self.x:
-            X, y = np.stack(self.x), np.asarray(self.y)
-            scale = np.maximum(np.abs(X).max(axis=0), 1e-9)
-            Xs = X / scale
-            A = Xs.T @ Xs + 1e-3 * np.eye(X.shape[1])
-            theta = np.linalg.solve(A, Xs.T @ y)
-            for _ in range(X.shape[1]):  # drop negative coefficients, refit the rest
-                neg = theta < 0
-                if not neg.any():
-                    break
-                keep = ~neg
-                theta = np.zeros_like(theta)
+        if self._stale and self.rows:
+            d = self.scale
+            a, b = self.xtx / np.outer(d, d), self.xty / d  # the fit on scaled features
+            keep = np.ones(len(d), dtype=bool)
+            theta = np.zeros(len(d))
+            for _ in range(len(d)):  # drop negative coefficients, refit the rest
+                theta = np.zeros(len(d))
                 if keep.any():
-                    Xk = Xs[:, keep]
-                    theta[keep] = np.linalg.solve(
-                        Xk.T @ Xk + 1e-3 * np.eye(int(keep.sum())), Xk.T @ y
-                    )
-            self.theta = np.maximum(theta, 0.0) / scale
+                    sub = a[np.ix_(keep, keep)] + 1e-3 * np.eye(int(keep.sum()))
+                    theta[keep] = np.linalg.solve(sub, b[keep])
+                if not (theta < 0).any():
+                    break
+                keep &= theta >= 0
+            self.theta = np.maximum(theta, 0.0) / d
             self._stale = False
         return self.theta
 
