@@ -243,7 +243,7 @@ class VerifierRank:
             "rpc_s": self.drafter.rpc_s,
             "remote_draft_s": self.drafter.remote_draft_s,
             **self.engine.timing.as_dict(),
-            "policy": self.engine.policy.stats.as_dict(),
+            "policy": self.engine.policy.describe(),
         }
 
     def load(self) -> dict:

@@ -388,3 +388,11 @@ class SpeculationPolicy:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
+
+    def describe(self) -> dict:
+        """The statistics, and the cost fits' current coefficients (seconds per unit of
+        each feature, see CostModel), for reports and debugging."""
+        out = self.stats.as_dict()
+        d, v, r = self.cost.coefs()
+        out["cost_model"] = {"draft": d.tolist(), "verify": v.tolist(), "rest": r.tolist()}
+        return out

@@ -85,14 +85,48 @@ def test_policy_bench_measures_every_fixed_k_and_the_policy(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = re.findall(
         r"^\| 1 \| (cactus:1|sps) \| ([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\|([^|]+)\| ([\d.]+) \| "
-        r"([\d.]+)x \(K=(\d)\) \| ([\d.]+) \|",
+        r"([\d.]+)x \(K=(\d)\) \| [\d.]+ \| ([\d.]+) \|",
         proc.stdout,
         re.M,
     )
     assert {r[0] for r in rows} == {"cactus:1", "sps"}, proc.stdout
     for r in rows:
-        fixed = [float(c.strip().strip("*")) for c in r[1:6]]
+        fixed = [float(c.strip().strip("*()")) for c in r[1:6]]
         assert all(v > 0 for v in fixed) and float(r[6]) > 0
         assert float(r[7]) == pytest.approx(float(r[6]) / max(fixed), abs=2e-3)
         assert int(r[8]) in (0, 2, 4, 6, 8) and 0 <= float(r[9]) <= 8
     assert plot.exists() and plot.stat().st_size > 10_000
+
+
+def test_policy_bench_stops_measuring_only_clearly_slower_fixed_ks():
+    """The race keeps goodput, every fixed K within the margin of its rule's best, and
+    rule none while either rule keeps it; what drops out keeps the rounds it had."""
+    from benchmarks.bench_policy import _race
+
+    active = [("none", 0)] + [(r, k) for r in ("cactus", "sps") for k in (2, 4, 6, 8, "goodput")]
+    means = {
+        ("none", 0): 50.0,
+        ("cactus", 2): 80.0,
+        ("cactus", 4): 95.0,
+        ("cactus", 6): 99.0,
+        ("cactus", 8): 100.0,
+        ("sps", 2): 56.0,
+        ("sps", 4): 60.0,
+        ("sps", 6): 53.0,
+        ("sps", 8): 50.0,
+        ("cactus", "goodput"): 10.0,
+        ("sps", "goodput"): 10.0,
+    }
+    cells = {key: [v * 0.98, v * 1.02] for key, v in means.items()}
+    kept = _race(active, cells, 0.9)
+    assert kept == [
+        ("cactus", 4),
+        ("cactus", 6),
+        ("cactus", 8),
+        ("cactus", "goodput"),
+        ("sps", 2),
+        ("sps", 4),
+        ("sps", "goodput"),
+    ]
+    cells["none", 0] = [57.0, 57.0]  # within 0.9x of sps's best: measured on
+    assert ("none", 0) in _race(active, cells, 0.9)
