@@ -242,6 +242,8 @@ class VerifierRank:
             "broadcasts": self.mirror.broadcasts,
             "rpc_s": self.drafter.rpc_s,
             "remote_draft_s": self.drafter.remote_draft_s,
+            "propose_batches": self.drafter.batches,
+            "prefetched_batches": self.drafter.prefetched_batches,
             **self.engine.timing.as_dict(),
             "policy": self.engine.policy.describe(),
         }

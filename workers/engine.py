@@ -207,7 +207,19 @@ class SpeculativeEngine:
                         self._end(state, err)
         self._prefill(decode_tokens)
         self.scheduler.promote()
+        self._plan_next()
         return len(running)
+
+    def _plan_next(self) -> None:
+        """Every row of the next step, the rows that just finished their prompt included,
+        gets its k now, and a remote drafter starts drafting them all in one batch while
+        requests come and go (a row left out would cost a second draft pass, with its
+        fixed cost per forward, at the next step)."""
+        rows = [s for s in self.scheduler.running if s.finish_reason is None]
+        if not rows:
+            return
+        self._plan(rows)
+        self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in rows if s.planned_k])
 
     def _decode(self, running: list[RequestState]) -> int:
         t0 = time.perf_counter()
@@ -250,11 +262,6 @@ class SpeculativeEngine:
                 st.kernel_s + t3 - t2,
             )
             emitted.append(state.emit(tokens, logprobs.get(i)))
-        # Every row's next k is chosen now: a remote drafter drafts the next step while
-        # this side hands out chunks, prefills new prompts and admits requests.
-        going_on = [s for s in running if s.finish_reason is None]
-        self._plan(going_on)
-        self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in going_on if s.planned_k])
         for state, tokens in zip(running, emitted, strict=True):  # emit
             state.push(tokens)
             if state.finish_reason is not None:

@@ -74,6 +74,8 @@ class GrpcDrafter:
         self._sessions: dict[str, _ClientSession] = {}
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
+        self.batches = 0  # ProposeBatch calls
+        self.prefetched_batches = 0  # of which sent ahead, at the end of a step
         self.pipeline = True  # send the next step's ProposeBatch at commit time
         self._prefetch: tuple | None = None  # (rows, future, sent_at): a batch on its way
         self._closing: set[grpc.Future] = set()  # Close calls not answered yet
@@ -109,6 +111,17 @@ class GrpcDrafter:
             committed=len(prompt_ids), opening=self._stub.Open.future(msg, timeout=self.timeout_s)
         )
 
+    @staticmethod
+    def _open_now(session: _ClientSession) -> bool:
+        """Open has answered, successfully (without waiting; a failed Open is left for
+        `propose` to report)."""
+        opening = session.opening
+        if opening is not None:
+            if not opening.done() or opening.exception() is not None:
+                return False
+            session.opening = None
+        return True
+
     def _opened(self, session: _ClientSession) -> None:
         if session.opening is not None:
             opening, session.opening = session.opening, None
@@ -130,7 +143,7 @@ class GrpcDrafter:
         sent, msgs = [], []
         for row in rows:
             session = self._sessions.get(row.request_id)
-            if session is None or session.opening is not None:
+            if session is None or not self._open_now(session):
                 continue  # not open yet: proposed at the next step, blocking
             msgs.append(self._propose_request(row.request_id, session, row.k))
             sent.append(row)
@@ -139,6 +152,8 @@ class GrpcDrafter:
                 pb.ProposeBatchRequest(rows=msgs), timeout=self.timeout_s
             )
             self._prefetch = (sent, future, time.perf_counter())
+            self.batches += 1
+            self.prefetched_batches += 1
 
     def _take_prefetched(self, rows: Sequence[ProposeRow], out: list) -> None:
         """Fill `out` with the prefetched blocks of `rows`. A prefetched row asked for
@@ -192,6 +207,7 @@ class GrpcDrafter:
         if not msgs:
             return out
         start = time.perf_counter()
+        self.batches += 1
         try:
             reply = self._call(self._stub.ProposeBatch, pb.ProposeBatchRequest(rows=msgs))
         except WorkerUnavailableError as err:

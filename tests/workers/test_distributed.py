@@ -200,8 +200,10 @@ def test_dead_draft_actor_degrades_every_running_request(
 ):
     """Under the goodput policy (the default): k changes from step to step and the
     prefetched draft blocks keep matching it (no request degrades), greedy output is
-    the verifier's. Then streams in flight when the draft actor dies finish by plain
-    decoding: greedy output equals the verifier's, no token lost or repeated."""
+    the verifier's, and requests that join running ones are drafted in the same
+    ProposeBatch as them (one round trip per step). Then streams in flight when the
+    draft actor dies finish by plain decoding: greedy output equals the verifier's, no
+    token lost or repeated."""
     verifier, draft = embedded_dirs()
     group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
     try:
@@ -209,7 +211,19 @@ def test_dead_draft_actor_degrades_every_running_request(
             _req(heldout_prompts[i], f"goodput{i}", temperature=0.0, max_tokens=48)
             for i in range(4)
         ]
-        results = ray.get([group.rank0.generate.remote(r) for r in warm])
+        before = ray.get(group.rank0.timings.remote())
+        refs = []
+        for r in warm:  # each joins while the earlier ones are decoding
+            refs.append(group.rank0.generate.remote(r))
+            time.sleep(0.4)
+        results = ray.get(refs)
+        after = ray.get(group.rank0.timings.remote())
+        batches = after["propose_batches"] - before["propose_batches"]
+        ahead = after["prefetched_batches"] - before["prefetched_batches"]
+        steps = after["policy"]["steps"] - before["policy"]["steps"]
+        # every step's rows in one batch, sent at the end of the step before (a row whose
+        # draft-side Open has not answered by then is proposed at its step, blocking)
+        assert batches <= steps and batches - ahead <= 1, (batches, ahead, steps)
         for req, result in zip(warm, results, strict=True):
             plain = replace(
                 req, request_id="v-" + req.request_id, speculation=SpeculationParams(rule="none")
