@@ -27,6 +27,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -65,12 +66,24 @@ class StepTiming:
     accept_s: float = 0.0
     bookkeeping_s: float = 0.0  # commits, emission, detokenising
     prefill_s: float = 0.0
+    overhead_s: float = 0.0  # the rest of each busy cycle: admission, planning, the loop
     batch_sizes: Counter = field(default_factory=Counter)  # decode batch size -> steps
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
         out["batch_sizes"] = dict(self.batch_sizes)
         return out
+
+
+class _Timed(NamedTuple):
+    """A decode step's ks and times, for the policy's cost model."""
+
+    ks: list[int]
+    lags: list[int]
+    draft_s: float
+    verify_s: float
+    predicted_s: float
+    decode_s: float  # the whole decode (draft, verify, accept, commit, emission)
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,7 @@ class SpeculativeEngine:
         self.policy = SpeculationPolicy(PolicyConfig(kind=self.scheduler.config.policy))
         self.timing = StepTiming()
         self.last_step: StepRecord | None = None  # the last decode step (metrics read it)
+        self._left_busy: float | None = None  # when the last step ended with work left
         self._live: dict[str, RequestState] = {}
 
     # ---- requests in and out -------------------------------------------------------
@@ -194,20 +208,37 @@ class SpeculativeEngine:
     def step(self) -> int:
         """Admit, decode every running row once, prefill prompt chunks. Returns the
         decode batch size."""
+        enter = time.perf_counter()
+        # the time since the last step ended with work left: the caller's loop (intake,
+        # metrics), a per-step cost like any other
+        between = enter - self._left_busy if self._left_busy is not None else 0.0
         self._reap()
         self.scheduler.admit(lambda s: self.verifier.fits(s.reserve_tokens), self._start)
         running = list(self.scheduler.running)
-        decode_tokens = 0
+        decode_tokens, timed = 0, None
         if running:
             try:
-                decode_tokens = self._decode(running)
+                decode_tokens, timed = self._decode(running)
             except Exception as err:  # a failed forward fails the rows that shared it
                 for state in running:
                     if self._live.get(state.id) is state:
                         self._end(state, err)
+        prefill_s = self.timing.prefill_s
         self._prefill(decode_tokens)
+        prefill_s = self.timing.prefill_s - prefill_s
         self.scheduler.promote()
         self._plan_next()
+        leave = time.perf_counter()
+        if timed is not None:
+            # The policy learns the step's whole cost in wall-clock time, prefill aside
+            # (a cost per prompt, so per emitted token: it does not move the best k).
+            overhead = between + (leave - enter) - prefill_s - timed.decode_s
+            self.timing.overhead_s += overhead
+            rest_s = timed.decode_s - timed.draft_s - timed.verify_s + overhead
+            self.policy.observe_time(
+                timed.ks, timed.lags, timed.draft_s, timed.verify_s, rest_s, timed.predicted_s
+            )
+        self._left_busy = leave if self.has_work() else None
         return len(running)
 
     def _plan_next(self) -> None:
@@ -221,7 +252,7 @@ class SpeculativeEngine:
         self._plan(rows)
         self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in rows if s.planned_k])
 
-    def _decode(self, running: list[RequestState]) -> int:
+    def _decode(self, running: list[RequestState]) -> tuple[int, _Timed]:
         t0 = time.perf_counter()
         self._plan(running)  # k per row, from earlier steps only (workers/policy.py)
         planned = [s.planned_k for s in running]
@@ -268,12 +299,11 @@ class SpeculativeEngine:
                 self._close(state)
         t4 = time.perf_counter()
         self._time(len(running), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-        lag_list = [lags[s.id] for s in running]
-        self.policy.observe_time(ks, lag_list, t1 - t0, t2 - t1, t4 - t2, predicted_s)
         self.last_step = StepRecord(
             [s.request.speculation.rule for s in running], ks, accepted, predicted
         )
-        return sum(k + 1 for k in ks)
+        timed = _Timed(ks, [lags[s.id] for s in running], t1 - t0, t2 - t1, predicted_s, t4 - t0)
+        return sum(k + 1 for k in ks), timed
 
     def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:
         return PolicyRow(

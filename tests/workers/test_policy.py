@@ -309,3 +309,24 @@ def test_an_expensive_drafter_makes_the_engine_decode_plainly():
     rows = {k: after[k] - before.get(k, 0) for k in after}
     mean_k = sum(k * n for (_, k), n in rows.items()) / sum(rows.values())
     assert mean_k >= 1.5, rows
+
+
+def test_the_cost_model_learns_the_whole_busy_cycle():
+    """What the caller's loop spends between two steps while requests are running
+    (intake, metrics: here a 20 ms sleep) is a per-step cost, and the policy's step
+    times include it; a long decode step's own phases are all there too."""
+    from workers.local import local_engine
+
+    engine = local_engine(*_dirs(), scheduler=SchedulerConfig(policy="goodput"))
+    outs = [deque() for _ in range(2)]
+    for r, q in zip(_requests(2, max_tokens=24), outs, strict=True):
+        engine.add_request(r, q.append)
+    while engine.has_work():
+        engine.step()
+        time.sleep(0.02)
+    t, st = engine.timing, engine.policy.stats
+    decode = (t.draft_s + t.verify_s + t.accept_s + t.bookkeeping_s) / t.steps
+    assert st.timed_steps >= 3
+    assert st.realised_time_s / st.timed_steps - decode >= 0.018
+    assert t.overhead_s / t.steps >= 0.018
+    assert all(len(q[-1].result.token_ids) == 24 for q in outs)
