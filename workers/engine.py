@@ -230,11 +230,13 @@ class SpeculativeEngine:
         self._plan_next()
         leave = time.perf_counter()
         if timed is not None:
-            # The policy learns the step's whole cost in wall-clock time, prefill aside
-            # (a cost per prompt, so per emitted token: it does not move the best k).
+            # The policy learns the step's whole cost in wall-clock time, its prefill
+            # chunks included: a prefill forward costs mostly per call, and under load
+            # nearly every step carries one, so it is a cost per step, which favours
+            # longer drafts (fewer steps); at low load it is rare and small.
             overhead = between + (leave - enter) - prefill_s - timed.decode_s
             self.timing.overhead_s += overhead
-            rest_s = timed.decode_s - timed.draft_s - timed.verify_s + overhead
+            rest_s = timed.decode_s - timed.draft_s - timed.verify_s + overhead + prefill_s
             self.policy.observe_time(
                 timed.ks, timed.lags, timed.draft_s, timed.verify_s, rest_s, timed.predicted_s
             )

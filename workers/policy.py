@@ -17,9 +17,11 @@ models it learns online from this engine's own steps:
   [1, rows, rows x (max k + 1)], acceptance plus bookkeeping [1, rows, drafted
   tokens, drafting rows x max k] (the last: a remote draft pass of the next step runs
   meanwhile and slows this side on a shared machine, in proportion to its own work,
-  not to each row's k). Prefill and admission stay out: their cost follows the requests that
-  finish, i.e. the tokens emitted, and a cost per emitted token does not move the
-  k that maximises tokens per second of decoding. No offline profiling: the first
+  not to each row's k). The engine reports each step's whole busy cycle in wall-clock
+  time, so the rest also holds admission, planning, the caller's loop and the step's
+  prefill chunks: a prefill forward costs mostly per call, and under load nearly every
+  step carries one, so it is a cost per step (fewer, longer steps save it); at low
+  load it is rare. No offline profiling: the first
   `warmup_steps` steps cycle through k = K, K/2, 1, 0 (so every coefficient is seen),
   and afterwards every `explore_every`-th step moves the cap by one either way.
 
@@ -89,6 +91,10 @@ class PolicyStats:
     predicted_time_s: float = 0.0  # steps with a cost prediction only
     realised_time_s: float = 0.0
     timed_steps: int = 0
+    step_max_k: Counter = field(default_factory=Counter)  # max k of a step -> steps
+    # rows that drafted less than their step's max k although their ceiling allowed more
+    # (in a dense step they pay for the max k: the policy should rarely do this)
+    short_rows: int = 0
 
     def as_dict(self) -> dict:
         groups = sorted(self.rows)
@@ -97,6 +103,8 @@ class PolicyStats:
             "predicted_time_s": self.predicted_time_s,
             "realised_time_s": self.realised_time_s,
             "timed_steps": self.timed_steps,
+            "step_max_k": dict(sorted(self.step_max_k.items())),
+            "short_rows": self.short_rows,
             "groups": {},
         }
         for g in groups:
@@ -369,6 +377,9 @@ class SpeculationPolicy:
         """What a step's acceptance gave, per row."""
         st = self.stats
         st.steps += 1
+        top = max(ks, default=0)
+        st.step_max_k[top] += 1
+        st.short_rows += sum(1 for r, k in zip(rows, ks, strict=True) if k < top and k < r.ceiling)
         for r, k, a, e in zip(rows, ks, accepted, expected, strict=True):
             if k:
                 self.acceptance.observe(r.request_id, r.group, k, a)
