@@ -22,6 +22,7 @@ per step, so a seeded request gives the same tokens whatever else is in its batc
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import Counter, deque
@@ -53,6 +54,7 @@ from workers.request import (
 from workers.scheduler import Scheduler, SchedulerConfig
 
 DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
+log = logging.getLogger("cactus.engine")
 
 
 @dataclass
@@ -252,7 +254,11 @@ class SpeculativeEngine:
         if not rows:
             return
         self._plan(rows)
-        self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in rows if s.planned_k])
+        try:
+            self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in rows if s.planned_k])
+        except Exception:  # only a head start: the next propose asks again, and a
+            # drafter that is gone degrades the rows it concerns there, one by one
+            log.warning("draft prefetch failed; the next step proposes without it", exc_info=True)
 
     def _decode(self, running: list[RequestState]) -> tuple[int, _Timed]:
         t0 = time.perf_counter()

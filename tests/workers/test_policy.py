@@ -330,3 +330,16 @@ def test_the_cost_model_learns_the_whole_busy_cycle():
     assert st.realised_time_s / st.timed_steps - decode >= 0.018
     assert t.overhead_s / t.steps >= 0.018
     assert all(len(q[-1].result.token_ids) == 24 for q in outs)
+
+
+def test_a_failing_prefetch_costs_only_the_head_start(goodput_engine, monkeypatch):
+    """A drafter whose prefetch raises (a closed channel, a bug): the step goes on, the
+    next propose asks again, every request completes with all its tokens."""
+
+    def broken(rows):
+        raise RuntimeError("prefetch broke")
+
+    monkeypatch.setattr(goodput_engine.drafter, "prefetch", broken)
+    results = _run(goodput_engine, _requests(3, max_tokens=24))
+    assert all(len(r.token_ids) == 24 for r in results)
+    assert all(r.stats.draft_failures == 0 and r.stats.num_drafts > 0 for r in results)
