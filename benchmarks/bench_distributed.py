@@ -156,7 +156,7 @@ def _set_pipeline(actor, on: bool) -> None:  # runs inside rank 0 (ray __ray_cal
 
 def _concurrent(group, local, prompts, args, n: int = 8) -> None:
     """n requests at once: distributed TP=1 (rank 0's engine loop batches them), with and
-    without the next ProposeBatch sent at commit time, vs the in-process engine stepping
+    without the next ProposeBatch sent at the end of each step, vs the in-process engine stepping
     the same batch. Interleaved round by round; tokens/s over each batch's wall time."""
     import ray
 

@@ -236,9 +236,9 @@ class SpeculativeEngine:
             # chunks included: a prefill forward costs mostly per call, and under load
             # nearly every step carries one, so it is a cost per step, which favours
             # longer drafts (fewer steps); at low load it is rare and small.
-            overhead = between + (leave - enter) - prefill_s - timed.decode_s
-            self.timing.overhead_s += overhead
-            rest_s = timed.decode_s - timed.draft_s - timed.verify_s + overhead + prefill_s
+            busy = between + (leave - enter)
+            self.timing.overhead_s += busy - prefill_s - timed.decode_s
+            rest_s = busy - timed.draft_s - timed.verify_s
             self.policy.observe_time(
                 timed.ks, timed.lags, timed.draft_s, timed.verify_s, rest_s, timed.predicted_s
             )

@@ -329,6 +329,7 @@ def test_the_cost_model_learns_the_whole_busy_cycle():
     assert st.timed_steps >= 3
     assert st.realised_time_s / st.timed_steps - decode >= 0.018
     assert t.overhead_s / t.steps >= 0.018
+    assert sum(st.step_max_k.values()) == st.steps == t.steps
     assert all(len(q[-1].result.token_ids) == 24 for q in outs)
 
 
