@@ -150,29 +150,37 @@ def _measure(runners, prompts, args) -> dict:
     return samples
 
 
-def _set_pipeline(actor, on: bool) -> None:  # runs inside rank 0 (ray __ray_call__)
-    actor.drafter.pipeline = on
+def _set_pipeline(actor, mode: str) -> None:  # runs inside rank 0 (ray __ray_call__)
+    actor.drafter.pipeline = mode != "off"
+    actor.engine.plan_ahead = mode == "ahead"
 
 
 def _concurrent(group, local, prompts, args, n: int = 8) -> None:
-    """n requests at once: distributed TP=1 (rank 0's engine loop batches them), with and
-    without the next ProposeBatch sent at the end of each step, vs the in-process engine stepping
-    the same batch. Interleaved round by round; tokens/s over each batch's wall time."""
+    """n requests at once: distributed TP=1 (rank 0's engine loop batches them) vs the
+    in-process engine stepping the same batch. Distributed three ways: the next step's
+    ProposeBatch sent as soon as acceptance is known (the default), sent at the end of
+    the step, and not sent ahead at all. Interleaved round by round, each round in a
+    different order; tokens/s over each batch's wall time."""
     import ray
 
     from benchmarks.bench_batch import run_batch
 
-    def distributed(reqs, pipeline: bool) -> float:
-        ray.get(group.rank0.__ray_call__.remote(_set_pipeline, pipeline))
+    def distributed(reqs, mode: str) -> float:
+        ray.get(group.rank0.__ray_call__.remote(_set_pipeline, mode))
         start = time.perf_counter()
         results = ray.get([group.rank0.generate.remote(r) for r in reqs])
         return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
 
-    names = ("distributed", "distributed, no prefetch", "in-process")
+    modes = {
+        "distributed": "ahead",
+        "distributed, sent at step end": "end",
+        "distributed, no prefetch": "off",
+    }
+    names = (*modes, "in-process")
     rates: dict[str, list[float]] = {name: [] for name in names}
     count = 0
     for rnd in range(args.concurrent_rounds):
-        for name in names:
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
             reqs = []
             for i in range(n):
                 count += 1
@@ -193,8 +201,8 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
                 ]
                 rates[name].append(run_batch(local, ids)["tokens_per_s"])
             else:
-                rates[name].append(distributed(reqs, pipeline=name == "distributed"))
-    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True))
+                rates[name].append(distributed(reqs, modes[name]))
+    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, "ahead"))
     med = {name: statistics.median(v) for name, v in rates.items()}
     base = med["in-process"]
     print(
@@ -202,6 +210,19 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
         f"{args.concurrent_rounds} rounds "
         "(median tok/s): "
         + ", ".join(f"{name} {v:.1f} ({v / base:.2f}x)" for name, v in med.items()),
+        flush=True,
+    )
+    # each round's ratio to the in-process batch of the same round (the machine's slow
+    # spells hit both), median over rounds
+    paired = {
+        name: statistics.median(
+            d / i for d, i in zip(rates[name], rates["in-process"], strict=True)
+        )
+        for name in modes
+    }
+    print(
+        "# paired by round (median of per-round ratios): "
+        + ", ".join(f"{name} {v:.3f}x" for name, v in paired.items()),
         flush=True,
     )
 

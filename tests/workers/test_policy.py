@@ -321,14 +321,24 @@ def test_the_cost_model_learns_the_whole_busy_cycle():
     outs = [deque() for _ in range(2)]
     for r, q in zip(_requests(2, max_tokens=24), outs, strict=True):
         engine.add_request(r, q.append)
-    while engine.has_work():
-        engine.step()
-        time.sleep(0.02)
     t, st = engine.timing, engine.policy.stats
-    decode = (t.draft_s + t.verify_s + t.accept_s + t.bookkeeping_s) / t.steps
-    assert st.timed_steps >= 3
-    assert st.realised_time_s / st.timed_steps - decode >= 0.018
-    assert t.overhead_s / t.steps >= 0.018
+
+    def totals():
+        decode = t.draft_s + t.verify_s + t.accept_s + t.bookkeeping_s
+        return st.timed_steps, st.realised_time_s, decode, t.overhead_s, t.steps
+
+    extra = []  # per timed decode step: its realised cost beyond its decode phases
+    while engine.has_work():
+        before = totals()
+        engine.step()
+        after = totals()
+        if after[0] > before[0]:
+            extra.append((after[1] - before[1]) - (after[2] - before[2]))
+        if after[4] > before[4]:  # a decode step: the loop's 20 ms before it is overhead
+            assert after[3] - before[3] >= 0.018, after[3] - before[3]
+        time.sleep(0.02)
+    assert len(extra) >= 3
+    assert min(extra) >= 0.018, extra
     assert sum(st.step_max_k.values()) == st.steps == t.steps
     assert all(len(q[-1].result.token_ids) == 24 for q in outs)
 
@@ -344,3 +354,60 @@ def test_a_failing_prefetch_costs_only_the_head_start(goodput_engine, monkeypatc
     results = _run(goodput_engine, _requests(3, max_tokens=24))
     assert all(len(r.token_ids) == 24 for r in results)
     assert all(r.stats.draft_failures == 0 and r.stats.num_drafts > 0 for r in results)
+
+
+def test_the_next_propose_leaves_before_emission_unless_a_row_joins(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """When no prompt finishes in a step's prefill, the next step's rows are planned and
+    their ProposeBatch sent as soon as acceptance is known, before the step's tokens are
+    emitted (a remote drafter then drafts while this side detokenises and loops); a step
+    that promotes a row sends it after emission, with the joined row in the same batch."""
+    engine = embedded_engine  # policy fixed: every row drafts its ceiling
+    events: list[tuple] = []
+    real = engine.drafter.prefetch
+
+    def prefetch(rows):
+        events.append(("prefetch", frozenset(r.request_id for r in rows)))
+        return real(rows)
+
+    monkeypatch.setattr(engine.drafter, "prefetch", prefetch)
+    first, late = (
+        GenerationRequest(
+            prompt=heldout_prompts[i],
+            sampling=SamplingParams(max_tokens=n, temperature=0.0),
+            speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
+        )
+        for i, n in ((0, 64), (1, 24))
+    )
+    ids = {}
+    for r, name in ((first, "first"), (late, "late")):
+        ids[name] = engine.add_request(r, lambda c, n=name: events.append(("chunk", n))).id
+        if name == "first":
+            for _ in range(4):  # the first runs alone for a few steps
+                engine.step()
+                events.append(("step",))
+    while engine.has_work():
+        engine.step()
+        events.append(("step",))
+    steps, cur = [], []
+    for e in events:
+        if e == ("step",):
+            steps.append(cur)
+            cur = []
+        else:
+            cur.append(e)
+    joined = [s for s in steps if any(e[0] == "prefetch" and ids["late"] in e[1] for e in s)]
+    # the step in which the late request's prompt finished: its one prefetch carries it
+    # and the running row together, after that step's emission
+    join = joined[0]
+    sent = [e for e in join if e[0] == "prefetch"]
+    assert sent == [("prefetch", frozenset(ids.values()))], join
+    assert join.index(sent[0]) > join.index(("chunk", "first")), join
+    # steady steps (both running, none joining): the prefetch comes before any chunk
+    steady = [s for s in steps[steps.index(join) + 1 :] if ("chunk", "first") in s]
+    steady = [s for s in steady if any(e[0] == "prefetch" for e in s)]
+    assert len(steady) >= 2
+    for s in steady:
+        first_chunk = min(s.index(e) for e in s if e[0] == "chunk")
+        assert s.index(next(e for e in s if e[0] == "prefetch")) < first_chunk, s
