@@ -136,8 +136,8 @@ class GrpcDrafter:
 
     def prefetch(self, rows: Sequence[ProposeRow]) -> None:
         """Send the next step's ProposeBatch now (the engine calls this once every row
-        of the next step has its k: right after acceptance, or at the end of a step in
-        which a row joined): the draft actor drafts while this side emits, takes new
+        of the next step has its k: right after acceptance, or at the end of a step that
+        prefilled prompt chunks): the draft actor drafts while this side emits, takes new
         requests and starts the next step. `propose` then takes the blocks."""
         if not self.pipeline or self._prefetch is not None:
             return

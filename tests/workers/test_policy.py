@@ -356,11 +356,11 @@ def test_a_failing_prefetch_costs_only_the_head_start(goodput_engine, monkeypatc
     assert all(r.stats.draft_failures == 0 and r.stats.num_drafts > 0 for r in results)
 
 
-def test_the_next_propose_leaves_before_emission_unless_a_row_joins(
+def test_the_next_propose_leaves_before_emission_unless_prompts_are_prefilled(
     embedded_engine, heldout_prompts, monkeypatch
 ):
-    """When no prompt finishes in a step's prefill, the next step's rows are planned and
-    their ProposeBatch sent as soon as acceptance is known, before the step's tokens are
+    """In a step that prefills no prompt, the next step's rows are planned and their
+    ProposeBatch sent as soon as acceptance is known, before the step's tokens are
     emitted (a remote drafter then drafts while this side detokenises and loops); a step
     that promotes a row sends it after emission, with the joined row in the same batch."""
     engine = embedded_engine  # policy fixed: every row drafts its ceiling
