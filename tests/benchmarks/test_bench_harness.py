@@ -95,6 +95,11 @@ def test_policy_bench_measures_every_fixed_k_and_the_policy(tmp_path):
         assert all(v > 0 for v in fixed) and float(r[6]) > 0
         assert float(r[7]) == pytest.approx(float(r[6]) / max(fixed), abs=2e-3)
         assert int(r[8]) in (0, 2, 4, 6, 8) and 0 <= float(r[9]) <= 8
+    paired = re.findall(r"(\d+) (cactus|sps) ([\d.]+)x \+- ([\d.]+)", proc.stdout)
+    assert {p[1] for p in paired} == {"cactus", "sps"}, proc.stdout
+    for p in paired:  # one round: the paired ratio is that round's ratio
+        row = next(r for r in rows if r[0].startswith(p[1]))
+        assert float(p[2]) == pytest.approx(float(row[7]), abs=2e-3)
     assert plot.exists() and plot.stat().st_size > 10_000
 
 
