@@ -150,32 +150,26 @@ def _measure(runners, prompts, args) -> dict:
     return samples
 
 
-def _set_pipeline(actor, mode: str) -> None:  # runs inside rank 0 (ray __ray_call__)
-    actor.drafter.pipeline = mode != "off"
-    actor.engine.plan_ahead = mode == "ahead"
+def _set_pipeline(actor, on: bool) -> None:  # runs inside rank 0 (ray __ray_call__)
+    actor.drafter.pipeline = on
 
 
 def _concurrent(group, local, prompts, args, n: int = 8) -> None:
-    """n requests at once: distributed TP=1 (rank 0's engine loop batches them) vs the
-    in-process engine stepping the same batch. Distributed three ways: the next step's
-    ProposeBatch sent as soon as acceptance is known (the default), sent at the end of
-    the step, and not sent ahead at all. Interleaved round by round, each round in a
-    different order; tokens/s over each batch's wall time."""
+    """n requests at once: distributed TP=1 (rank 0's engine loop batches them), with and
+    without the next step's ProposeBatch sent at the end of each step, vs the in-process
+    engine stepping the same batch. Interleaved round by round, each round in a different
+    order; tokens/s over each batch's wall time."""
     import ray
 
     from benchmarks.bench_batch import run_batch
 
-    def distributed(reqs, mode: str) -> float:
-        ray.get(group.rank0.__ray_call__.remote(_set_pipeline, mode))
+    def distributed(reqs, pipeline: bool) -> float:
+        ray.get(group.rank0.__ray_call__.remote(_set_pipeline, pipeline))
         start = time.perf_counter()
         results = ray.get([group.rank0.generate.remote(r) for r in reqs])
         return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
 
-    modes = {
-        "distributed": "ahead",
-        "distributed, sent at step end": "end",
-        "distributed, no prefetch": "off",
-    }
+    modes = {"distributed": True, "distributed, no prefetch": False}
     names = (*modes, "in-process")
     rates: dict[str, list[float]] = {name: [] for name in names}
     count = 0
@@ -202,7 +196,7 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
                 rates[name].append(run_batch(local, ids)["tokens_per_s"])
             else:
                 rates[name].append(distributed(reqs, modes[name]))
-    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, "ahead"))
+    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True))
     med = {name: statistics.median(v) for name, v in rates.items()}
     base = med["in-process"]
     print(

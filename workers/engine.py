@@ -4,13 +4,11 @@ propose -> score -> accept -> commit.
 One `step()` admits waiting requests into free rows (workers/scheduler.py), runs ONE
 batched draft pass over every drafting row, ONE verifier forward over every running row,
 one ragged acceptance over all of them, and commits per row; then it spends what is left
-of the step's token budget on prompt chunks. The next step's k per row is planned (and a
-remote drafter's ProposeBatch sent) as soon as acceptance is known, or, in a step that
-prefills prompt chunks, at its end, with a row that just joined included. Per-request
-bookkeeping (stops, detokenising, statistics, chunks) lives in workers/request.py. The
-same engine runs in-process (tests, `cactus generate`) and on the verifier's rank 0 of
-the distributed engine (drafter behind gRPC, verifier mirrored across TP ranks): only
-the transport differs. Requests join and leave between any two steps.
+of the step's token budget on prompt chunks. Per-request bookkeeping (stops,
+detokenising, statistics, chunks) lives in workers/request.py. The same engine runs
+in-process (tests, `cactus generate`) and on the verifier's rank 0 of the distributed
+engine (drafter behind gRPC, verifier mirrored across TP ranks): only the transport
+differs. Requests join and leave between any two steps.
 
 Rows differ in K (K shrinks near max_tokens and the context end; rule none and degraded
 requests have K = 0), rule, delta, TAS threshold and divergence budget; the kernel's
@@ -124,9 +122,6 @@ class SpeculativeEngine:
         self.policy = SpeculationPolicy(PolicyConfig(kind=self.scheduler.config.policy))
         self.timing = StepTiming()
         self.last_step: StepRecord | None = None  # the last decode step (metrics read it)
-        # plan the next step and send its ProposeBatch right after acceptance in a step
-        # without prefill (benchmarks switch it off to measure what it is worth)
-        self.plan_ahead = True
         self._left_busy: float | None = None  # when the last step ended with work left
         self._live: dict[str, RequestState] = {}
 
@@ -254,27 +249,11 @@ class SpeculativeEngine:
         """Every row of the next step, the rows that just finished their prompt included,
         gets its k now, and a remote drafter starts drafting them all in one batch while
         requests come and go (a row left out would cost a second draft pass, with its
-        fixed cost per forward, at the next step). Rows planned ahead keep their k."""
+        fixed cost per forward, at the next step)."""
         rows = [s for s in self.scheduler.running if s.finish_reason is None]
-        if self._plan(rows):
-            self._prefetch(rows)
-
-    def _plan_ahead(self, running: list[RequestState], taken: list[int], tokens: int) -> None:
-        """When this step prefills no prompt, the next step's rows are this step's: plan
-        them and send their ProposeBatch as soon as acceptance is known, so a remote
-        drafter drafts while this side emits (detokenising, stop strings) and comes
-        round its loop. `taken`: tokens each row is about to emit. A row that then ends
-        on EOS or a stop string only wastes its row of the draft. A step with prompt
-        chunks plans at its end: a row may join there, and a draft pass beside a
-        prefill forward would compete with it for the cores of a small machine.
-        Measured (README, Performance): rank 0 waits 0.9 instead of 1.9 ms per step
-        beyond the draft actor's own time; throughput differences were within noise."""
-        if not self.plan_ahead or self.scheduler.prefill_plan(tokens):
+        if not rows:
             return
-        self._plan(running, ahead=taken)
-        self._prefetch(running)
-
-    def _prefetch(self, rows: list[RequestState]) -> None:
+        self._plan(rows)
         try:
             self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in rows if s.planned_k])
         except Exception:  # only a head start: the next propose asks again, and a
@@ -307,9 +286,10 @@ class SpeculativeEngine:
         rows = [self._policy_row(s, fixed=ks[i]) for i, s in enumerate(running)]
         predicted = [expected[s.id] if k else 1.0 for s, k in zip(running, ks, strict=True)]
         self.policy.observe_rows(rows, ks, accepted, predicted)
-        taken = [outputs[i][: accepted[i] + 1] for i in range(len(running))]
+        emitted = []
         for i, state in enumerate(running):  # commit, per row
-            self._commit(state, ks[i], blocks.get(state.id), accepted[i], taken[i][-1])
+            tokens = outputs[i][: accepted[i] + 1]
+            self._commit(state, ks[i], blocks.get(state.id), accepted[i], tokens[-1])
             if ks[i]:
                 state.count(ks[i], accepted[i], divergence[i])
             if state.drafting:
@@ -320,9 +300,7 @@ class SpeculativeEngine:
                 st.verify_s + t2 - t1,
                 st.kernel_s + t3 - t2,
             )
-        decode_tokens = sum(k + 1 for k in ks)
-        self._plan_ahead(running, [len(t) for t in taken], decode_tokens)  # next propose
-        emitted = [state.emit(taken[i], logprobs.get(i)) for i, state in enumerate(running)]
+            emitted.append(state.emit(tokens, logprobs.get(i)))
         for state, tokens in zip(running, emitted, strict=True):  # emit
             state.push(tokens)
             if state.finish_reason is not None:
@@ -333,32 +311,22 @@ class SpeculativeEngine:
             [s.request.speculation.rule for s in running], ks, accepted, predicted
         )
         timed = _Timed(ks, [lags[s.id] for s in running], t1 - t0, t2 - t1, predicted_s, t4 - t0)
-        return decode_tokens, timed
+        return sum(k + 1 for k in ks), timed
 
-    def _policy_row(
-        self, state: RequestState, fixed: int | None = None, ahead: int = 0
-    ) -> PolicyRow:
-        ceiling = state.num_draft_tokens(ahead)
-        return PolicyRow(state.id, state.group, ceiling, state.undrafted, fixed=fixed)
-
-    def _plan(self, states: list[RequestState], ahead: list[int] | None = None) -> bool:
-        """Choose k for the rows that have none yet; a row with one keeps it (a remote
-        drafter may be drafting it already). Reads only earlier steps' outcomes.
-        `ahead`: tokens each row has yet to emit from the step just accepted. Returns
-        whether any row got its k here."""
-        if all(s.planned_k is not None for s in states):
-            return False
-        ahead = ahead or [0] * len(states)
-        plan = self.policy.plan(
-            [
-                self._policy_row(s, fixed=s.planned_k, ahead=n)
-                for s, n in zip(states, ahead, strict=True)
-            ]
+    def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:
+        return PolicyRow(
+            state.id, state.group, state.num_draft_tokens(), state.undrafted, fixed=fixed
         )
+
+    def _plan(self, states: list[RequestState]) -> None:
+        """Choose k for the rows that have none yet; a row with one keeps it (a remote
+        drafter may be drafting it already). Reads only earlier steps' outcomes."""
+        if all(s.planned_k is not None for s in states):
+            return
+        plan = self.policy.plan([self._policy_row(s, fixed=s.planned_k) for s in states])
         for state, k, e in zip(states, plan.ks, plan.expected_tokens, strict=True):
             if state.planned_k is None:
                 state.planned_k, state.expected_tokens = k, e
-        return True
 
     def _propose(
         self, running: list[RequestState], planned: list[int]

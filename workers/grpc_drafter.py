@@ -75,8 +75,8 @@ class GrpcDrafter:
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
         self.batches = 0  # ProposeBatch calls
-        self.prefetched_batches = 0  # of which sent ahead, during the step before
-        self.pipeline = True  # send the next step's ProposeBatch during the step before
+        self.prefetched_batches = 0  # of which sent ahead, at the end of a step
+        self.pipeline = True  # send the next step's ProposeBatch at the end of a step
         self._prefetch: tuple | None = None  # (rows, future, sent_at): a batch on its way
         self._closing: set[grpc.Future] = set()  # Close calls not answered yet
 
@@ -135,10 +135,10 @@ class GrpcDrafter:
         return request
 
     def prefetch(self, rows: Sequence[ProposeRow]) -> None:
-        """Send the next step's ProposeBatch now (the engine calls this once every row
-        of the next step has its k: right after acceptance, or at the end of a step that
-        prefilled prompt chunks): the draft actor drafts while this side emits, takes new
-        requests and starts the next step. `propose` then takes the blocks."""
+        """Send the next step's ProposeBatch now (the engine calls this at the end of a
+        step, once every row of the next one, joined rows included, has its k): the
+        draft actor drafts while this side takes new requests and starts the next
+        step. `propose` then takes the blocks."""
         if not self.pipeline or self._prefetch is not None:
             return
         sent, msgs = [], []

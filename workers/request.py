@@ -212,16 +212,15 @@ class RequestState:
         """Tokens generated for the request, those of earlier attempts included."""
         return len(self.prior) + len(self.generated)
 
-    def num_draft_tokens(self, ahead: int = 0) -> int:
+    def num_draft_tokens(self) -> int:
         """The most tokens the next step may draft (the policy chooses 0..this): the
         request's K, reduced near the end: never draft past max_tokens or the context
-        (the verifier emits one token more than it accepts). `ahead`: tokens accepted
-        but not emitted yet (the next step is planned before they are)."""
+        (the verifier emits one token more than it accepts)."""
         if not self.drafting:
             return 0
         k = self.request.speculation.num_speculative_tokens
-        left = self.request.sampling.max_tokens - self.num_generated - ahead
-        room = self.max_context - self.committed - ahead
+        left = self.request.sampling.max_tokens - self.num_generated
+        room = self.max_context - self.committed
         return max(0, min(k, left - 1, room - 1))
 
     def timed_out(self) -> bool:
