@@ -103,6 +103,20 @@ def test_policy_bench_measures_every_fixed_k_and_the_policy(tmp_path):
     assert plot.exists() and plot.stat().st_size > 10_000
 
 
+def test_the_held_out_best_fixed_k_is_chosen_and_measured_on_different_rounds():
+    """K is picked on the even rounds and measured on the odd ones, and the other way
+    round: a K that led by luck on one half does not carry its lucky rounds along."""
+    from benchmarks.bench_policy import _held_out_best
+
+    series = {2: [100.0, 90.0, 100.0, 90.0], 4: [95.0, 97.0, 95.0, 97.0], 6: [50.0, 60.0]}
+    # even rounds pick K=2 (100 > 95), measured on odd: 90; odd rounds pick K=4 (97 > 90),
+    # measured on even: 95
+    assert _held_out_best(series) == pytest.approx((90.0 + 95.0) / 2)
+    # the plain best mean (K=4, 96) is higher: the maximum of noisy means overstates
+    assert max(sum(v) / len(v) for v in series.values()) == pytest.approx(96.0)
+    assert _held_out_best({2: [100.0], 4: [90.0]}) is None
+
+
 def test_policy_bench_stops_measuring_only_clearly_slower_fixed_ks():
     """The race keeps goodput, every fixed K within the margin of its rule's best, and
     rule none while either rule keeps it; what drops out keeps the rounds it had."""
