@@ -4,19 +4,24 @@
                                       [--levels 1 4 8 16] [--plot PATH]
                                       [--race-after N] [--race-margin X]
 
-Two servers run at once, as `make serve` runs them (TP = 1, embedded pair): one with
-`speculation.policy: fixed`, one with `goodput`. For each load level (concurrent
-streaming clients, 64-token completions of "def parse(text):" as in the load section)
-and each rule (cactus delta 1, sps), the fixed server is measured at K = 2, 4, 6, 8 (the
-request's num_speculative_tokens) and K = 0 (rule none), and the goodput server with
-K = 8 as its ceiling, cell after cell, `--rounds` times in rotated order; tokens/s is
-the mean over rounds. One round of a cell moves by about +-5% on a shared 2-core machine,
-so the rounds are many and short, and after `--race-after` rounds a fixed K that is
-clearly slower than its rule's best (below `--race-margin` x) is not measured again: it
-cannot be the best, and the time goes to the cells that decide the comparison. The
-table gives the ratio's standard error next to it. The goodput server's rank 0 reports
-what the policy chose (mean k, histogram) and predicted (tokens and step time) against
-what the steps gave.
+One server runs as `make serve` runs it (TP = 1, embedded pair, `speculation.policy:
+goodput`), and before each cell the bench sets its rank 0 engine's policy: `fixed`, or
+the goodput policy with all it has learned so far (kept aside while fixed cells run).
+Both are so measured on the same processes. (Two servers side by side, one per policy,
+were not even: an A/A run of two fixed servers gave the second 0.982x +- 0.017 of the
+first at 1 client and 0.984x +- 0.021 at 8, the size of the effect being measured.)
+
+For each load level (concurrent streaming clients, 64-token completions of "def
+parse(text):" as in the load section) and each rule (cactus delta 1, sps), fixed is
+measured at K = 2, 4, 6, 8 (the request's num_speculative_tokens) and K = 0 (rule
+none), and goodput with K = 8 as its ceiling, cell after cell, `--rounds` times in
+rotated order; tokens/s is the mean over rounds. One round of a cell moves by about
++-5% on a shared 2-core machine, so the rounds are many and short, and after
+`--race-after` rounds a fixed K that is clearly slower than its rule's best (below
+`--race-margin` x) is not measured again: it cannot be the best, and the time goes to
+the cells that decide the comparison. The table gives the ratio's standard error next
+to it. Rank 0 reports what the goodput policy chose (mean k, histogram) and predicted
+(tokens and step time) against what the steps gave.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ def _server(policy: str, levels: list[int]) -> ServerProcess:
     )
 
 
-def _rank0_policy() -> dict:
-    """The goodput server's policy statistics (this process is its Ray driver)."""
+def _rank0():
+    """The server's verifier rank 0 (this process is its Ray driver)."""
     import ray
 
     names = [
@@ -55,8 +60,35 @@ def _rank0_policy() -> dict:
         for e in ray.util.list_named_actors(all_namespaces=True)
         if e["namespace"] == "cactus" and e["name"].endswith("-rank0")
     ]
-    actor = ray.get_actor(names[0], namespace="cactus")
-    return ray.get(actor.timings.remote(), timeout=60)["policy"]
+    return ray.get_actor(names[0], namespace="cactus")
+
+
+def _rank0_policy() -> dict:
+    """The goodput policy's statistics."""
+    import ray
+
+    return ray.get(_rank0().timings.remote(), timeout=60)["policy"]
+
+
+def _use_policy(actor, kind: str) -> str:  # runs inside rank 0 (ray __ray_call__)
+    """Give the engine the `kind` policy between two steps; each kind's policy object
+    is kept, so goodput goes on with what it learned."""
+    from workers.policy import PolicyConfig, SpeculationPolicy
+
+    def swap(engine) -> str:
+        kept = engine.__dict__.setdefault("_bench_policies", {engine.policy.kind: engine.policy})
+        engine.policy = kept.setdefault(kind, SpeculationPolicy(PolicyConfig(kind=kind)))
+        return engine.policy.kind
+
+    return actor.loop.call(swap)
+
+
+def _set_policy(kind: str) -> None:
+    import ray
+
+    got = ray.get(_rank0().__ray_call__.remote(_use_policy, kind), timeout=60)
+    if got != kind:
+        raise RuntimeError(f"rank 0 runs the {got} policy, asked for {kind}")
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -101,21 +133,18 @@ def _started(policy: str, levels: list[int]) -> ServerProcess:
 
 
 def measure(args) -> list[dict]:
-    fixed = _started("fixed", args.levels)
-    try:
-        good = _started("goodput", args.levels)
-    except BaseException:
-        fixed.stop()
-        raise
+    server = _started("goodput", args.levels)
     rows: list[dict] = []
     try:
         import ray
 
-        ray.init(address=good.ray_address(), log_to_driver=False, configure_logging=False)
+        ray.init(address=server.ray_address(), log_to_driver=False, configure_logging=False)
         for rule in RULES:  # warm-up: compile paths, and let the policy learn a little
-            run_level(fixed.address, rule, 2, 2.0, max_tokens=16)
+            _set_policy("fixed")
+            run_level(server.address, rule, 2, 2.0, max_tokens=16)
+            _set_policy("goodput")
             run_level(
-                good.address,
+                server.address,
                 rule,
                 4,
                 args.warmup,
@@ -131,10 +160,11 @@ def measure(args) -> list[dict]:
                     active = _race(active, cells, args.race_margin)
                 plan = active[rnd % len(active) :] + active[: rnd % len(active)]
                 for rule, k in plan:
+                    _set_policy("goodput" if k == "goodput" else "fixed")
                     if k == "goodput":
                         before = _rank0_policy()
                         res = run_level(
-                            good.address,
+                            server.address,
                             rule,
                             clients,
                             args.seconds,
@@ -144,7 +174,7 @@ def measure(args) -> list[dict]:
                         _merge(policy.setdefault(rule, {}), _delta(_rank0_policy(), before))
                     else:
                         res = run_level(
-                            fixed.address,
+                            server.address,
                             rule,
                             clients,
                             args.seconds,
@@ -205,8 +235,7 @@ def measure(args) -> list[dict]:
                     }
                 )
     finally:
-        good.stop()
-        fixed.stop()
+        server.stop()
     return rows
 
 
