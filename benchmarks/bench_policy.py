@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.levels = args.levels or ([1, 8] if args.quick else [1, 4, 8, 16])
     args.seconds = args.seconds or (3.0 if args.quick else 5.0)
-    args.rounds = args.rounds or (1 if args.quick else 6)
+    args.rounds = args.rounds or (1 if args.quick else 10)
     from cactus import environment
 
     environment.apply()
