@@ -48,7 +48,7 @@ class PolicyConfig:
     window: int = 256  # steps the cost fits remember
     prior_strength: float = 4.0  # pseudo-counts of the rule's average in a row's estimate
     rule_prior: float = 0.5  # acceptance per position before a rule has any data
-    rule_decay: float = 0.998  # forgetting of the rule averages per observation
+    rule_decay: float = 0.998  # forgetting of a rule's average per observation of a position
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -163,7 +163,11 @@ class AcceptanceModel:
         took = np.zeros(k)
         took[:accepted] = 1.0
         g = self._grow(self._groups.get(group), k)
-        g *= self.c.rule_decay
+        # Forget per position, as new evidence about it arrives: a position that is
+        # not reached (the policy drafts shorter for a while) keeps its estimate
+        # instead of sliding back to the uninformed prior, which would make long
+        # drafts look worse the less they are tried.
+        g[:, : min(accepted + 1, k)] *= self.c.rule_decay
         g[0, :k] += reached
         g[1, :k] += took
         self._groups[group] = g

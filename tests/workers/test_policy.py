@@ -51,6 +51,26 @@ def test_acceptance_estimates_follow_each_group_and_each_request():
     assert model.alphas("odd", "hi", 4)[0] > 0.7
 
 
+def test_a_position_not_drafted_for_a_while_keeps_its_estimate():
+    # The group drafts 8 and accepts everything for a while, then only 2 (as a policy
+    # that drafts shorter under load does): positions 3..8 get no new evidence, so
+    # their estimates must stay where the evidence left them, not decay back to the
+    # uninformed prior (0.5), which would make long drafts look ever worse.
+    model = AcceptanceModel(PolicyConfig())
+    for step in range(200):
+        model.observe(f"a{step}", "g", 8, 8)
+    before = model.alphas("new", "g", 8)
+    for step in range(3000):
+        model.observe(f"b{step}", "g", 2, 2)
+    after = model.alphas("new", "g", 8)
+    assert before[2:] == pytest.approx(after[2:])
+    assert np.all(after > 0.95), after
+    # positions that keep being observed still forget: they follow a change
+    for step in range(3000):
+        model.observe(f"c{step}", "g", 2, 0)
+    assert model.alphas("new", "g", 2)[0] < 0.1
+
+
 def _parts(ks):
     """A made-up machine that computes a step as a dense [rows, max k + 1] block: the
     draft pass (2 ms a call, 3 ms a forward, 0.4 ms per drafting row per forward), the
