@@ -93,7 +93,11 @@ def test_policy_bench_measures_every_fixed_k_and_the_policy(tmp_path):
     for r in rows:
         fixed = [float(c.strip().strip("*()")) for c in r[1:6]]
         assert all(v > 0 for v in fixed) and float(r[6]) > 0
-        assert float(r[7]) == pytest.approx(float(r[6]) / max(fixed), abs=2e-3)
+        # the table shows tokens/s to 0.1 and the ratio to 0.001: the ratio of the shown
+        # figures may differ from the shown ratio by their rounding (0.05 each, relative)
+        goodput, best = float(r[6]), max(fixed)
+        slack = 6e-4 + goodput / best * 0.05 * (1 / goodput + 1 / best)
+        assert float(r[7]) == pytest.approx(goodput / best, abs=slack)
         assert int(r[8]) in (0, 2, 4, 6, 8) and 0 <= float(r[9]) <= 8
     paired = re.findall(r"(\d+) (cactus|sps) ([\d.]+)x \+- ([\d.]+)", proc.stdout)
     assert {p[1] for p in paired} == {"cactus", "sps"}, proc.stdout
