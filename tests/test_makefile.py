@@ -38,7 +38,16 @@ def test_make_stop_stops_only_the_server_on_its_port():
     port = "59932"
     pid = REPO / ".cache" / f"serve-{port}.pid"
     other = REPO / ".cache" / "serve-59933.pid"
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # Like deployments.serve, the stand-in server handles SIGINT itself: a process started
+    # in the background by a non-interactive shell (`make test &`) inherits SIGINT ignored.
+    sleeper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "time.sleep(60)",
+        ]
+    )
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         pid.write_text(str(sleeper.pid))
