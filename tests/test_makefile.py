@@ -38,18 +38,22 @@ def test_make_stop_stops_only_the_server_on_its_port():
     port = "59932"
     pid = REPO / ".cache" / f"serve-{port}.pid"
     other = REPO / ".cache" / "serve-59933.pid"
-    # Like deployments.serve, the stand-in server handles SIGINT itself: a process started
-    # in the background by a non-interactive shell (`make test &`) inherits SIGINT ignored.
+    # Like deployments.serve, the stand-in server handles SIGINT itself and only then
+    # has its pid file written: a process started in the background by a non-interactive
+    # shell (`make test &`) inherits SIGINT ignored, so a signal sent earlier is lost.
     sleeper = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "time.sleep(60)",
-        ]
+            "print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        assert sleeper.stdout.readline().strip() == "ready"
         pid.write_text(str(sleeper.pid))
         other.write_text(str(bystander.pid))
         # Reap the child as soon as it exits, or make's `kill -0` would see a zombie.
