@@ -528,7 +528,8 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     # back within 60 s: the first SERVING after the last NOT_SERVING (the polls go on
     # until the stream has ended, which on a slow machine is long after the restart)
     down = [at for s, at in after_rank if s == "NOT_SERVING"]
-    back = [at for s, at in after_rank if s == "SERVING" and at > max(down, default=0.0)]
+    assert down, "health never said NOT_SERVING during the rank restart"
+    back = [at for s, at in after_rank if s == "SERVING" and at > max(down)]
     assert back and back[0] - rank_killed < 60, (down[-1:], back[:1], rank_killed)
     assert after_rank[-1][0] == "SERVING", after_rank[-1]
     assert client.generate("def f():", max_tokens=4).finish_reason == "LENGTH"
