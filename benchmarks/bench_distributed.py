@@ -150,28 +150,48 @@ def _measure(runners, prompts, args) -> dict:
     return samples
 
 
-def _set_pipeline(actor, on: bool) -> None:  # runs inside rank 0 (ray __ray_call__)
+def _set_pipeline(actor, on: bool, batch_wait_s: float | None = None) -> float:
+    """Runs inside rank 0 (ray __ray_call__): the end-of-step ProposeBatch on or off, and
+    the idle engine's batch wait (None: unchanged); returns the batch wait before."""
     actor.drafter.pipeline = on
+    before = actor.loop.batch_wait_s
+    if batch_wait_s is not None:
+        actor.loop.batch_wait_s = batch_wait_s
+    return before
 
 
 def _concurrent(group, local, prompts, args, n: int = 8) -> None:
     """n requests at once: distributed TP=1 (rank 0's engine loop batches them), with and
-    without the next step's ProposeBatch sent at the end of each step, vs the in-process
-    engine stepping the same batch. Interleaved round by round, each round in a different
-    order; tokens/s over each batch's wall time."""
+    without the next step's ProposeBatch sent at the end of each step, and without the
+    idle engine's batch wait (the n calls reach rank 0 over a few ms; without the wait
+    the first request starts a step ahead of the rest), vs the in-process engine stepping
+    the same batch (all added before its clock starts). Interleaved round by round, each
+    round in a different order; tokens/s over each batch's wall time."""
     import ray
 
     from benchmarks.bench_batch import run_batch
 
-    def distributed(reqs, pipeline: bool) -> float:
-        ray.get(group.rank0.__ray_call__.remote(_set_pipeline, pipeline))
+    wait_s = ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True))
+
+    def distributed(reqs, mode: tuple[bool, bool]) -> float:
+        pipeline, wait = mode
+        ray.get(
+            group.rank0.__ray_call__.remote(_set_pipeline, pipeline, wait_s if wait else 0.0)
+        )
+        before = ray.get(group.rank0.timings.remote())["steps"]
         start = time.perf_counter()
         results = ray.get([group.rank0.generate.remote(r) for r in reqs])
-        return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+        rate = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+        return rate, ray.get(group.rank0.timings.remote())["steps"] - before
 
-    modes = {"distributed": True, "distributed, no prefetch": False}
+    modes = {
+        "distributed": (True, True),
+        "distributed, no prefetch": (False, True),
+        "distributed, no batch wait": (True, False),
+    }
     names = (*modes, "in-process")
     rates: dict[str, list[float]] = {name: [] for name in names}
+    steps: dict[str, list[int]] = {name: [] for name in names}  # decode steps per batch
     count = 0
     for rnd in range(args.concurrent_rounds):
         for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
@@ -193,10 +213,14 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
                     )
                     for r in reqs
                 ]
-                rates[name].append(run_batch(local, ids)["tokens_per_s"])
+                batch = run_batch(local, ids)
+                rates[name].append(batch["tokens_per_s"])
+                steps[name].append(batch["steps"])
             else:
-                rates[name].append(distributed(reqs, modes[name]))
-    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True))
+                rate, n_steps = distributed(reqs, modes[name])
+                rates[name].append(rate)
+                steps[name].append(n_steps)
+    ray.get(group.rank0.__ray_call__.remote(_set_pipeline, True, wait_s))
     med = {name: statistics.median(v) for name, v in rates.items()}
     base = med["in-process"]
     print(
@@ -217,6 +241,11 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
     print(
         "# paired by round (median of per-round ratios): "
         + ", ".join(f"{name} {v:.3f}x" for name, v in paired.items()),
+        flush=True,
+    )
+    print(
+        "# decode steps per batch (mean): "
+        + ", ".join(f"{name} {statistics.mean(v):.2f}" for name, v in steps.items()),
         flush=True,
     )
 

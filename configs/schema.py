@@ -130,6 +130,12 @@ class BatchingConfig(_Model):
         "does not fit waits. null = max_num_seqs x the model's context",
         None,
     )
+    batch_wait_ms: Float = doc(
+        "an idle engine, given a request, waits up to this long for each further arrival "
+        "(5 waits at most) before its first step, so a burst starts in one step; a busy "
+        "engine never waits. 0 = step at once",
+        2.0,
+    )
 
 
 class RecoveryConfig(_Model):
@@ -288,6 +294,9 @@ def validate(c: ServeConfig) -> None:
         b.kv_budget_tokens is None or b.kv_budget_tokens >= 64,
         "batching.kv_budget_tokens",
         "must be null or >= 64",
+    )
+    _check(
+        0 <= b.batch_wait_ms <= 1000, "batching.batch_wait_ms", "must be in [0, 1000] ms"
     )
     r = c.recovery
     _check(r.max_attempts >= 0, "recovery.max_attempts", "must be >= 0")

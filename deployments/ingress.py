@@ -141,6 +141,7 @@ def group_config(config: ServeConfig):
         max_concurrency=max(4, c.limits.max_ongoing_requests * 2, c.batching.max_num_seqs * 2),
         max_num_seqs=c.batching.max_num_seqs,
         max_num_batched_tokens=c.batching.max_num_batched_tokens,
+        batch_wait_ms=c.batching.batch_wait_ms,
         kv_budget_tokens=c.batching.kv_budget_tokens,
         speculation_policy=c.speculation.policy,
     )

@@ -72,6 +72,7 @@ class GroupConfig:
     max_concurrency: int = 64  # calls rank 0 takes at once (running + waiting requests)
     max_num_seqs: int = 32  # rows in the batch (see workers/scheduler.py)
     max_num_batched_tokens: int = 512  # tokens per step, decode first, then prompt chunks
+    batch_wait_ms: float = 2.0  # an idle engine's wait for further arrivals (engine_loop)
     kv_budget_tokens: int | None = None  # verifier KV slots (None: max_num_seqs * context)
     speculation_policy: str = "goodput"  # fixed | goodput (workers/policy.py)
 
@@ -195,6 +196,7 @@ class EngineGroup:
                 scheduler=SchedulerConfig(
                     max_num_seqs=c.max_num_seqs,
                     max_num_batched_tokens=c.max_num_batched_tokens,
+                    batch_wait_ms=c.batch_wait_ms,
                     policy=c.speculation_policy,
                 ),
                 timeout_s=c.rpc_timeout_s,

@@ -23,10 +23,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens a step may compute, decode tokens first
     min_prefill_chunk: int = 32  # prompt tokens a step always prefills when any wait
     policy: str = "goodput"  # speculation policy: k per row per step (workers/policy.py)
+    # an idle engine, given a request, waits up to this long for each further arrival
+    # before its first step (workers/engine_loop.py); 0 = step at once
+    batch_wait_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0.0 <= self.batch_wait_ms <= 1000.0:
+            raise ValueError(f"batch_wait_ms: must be in [0, 1000], got {self.batch_wait_ms}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "min_prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

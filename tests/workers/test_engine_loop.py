@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -86,3 +87,49 @@ def test_shutdown_ends_running_requests(embedded_engine, heldout_prompts):
     assert embedded_engine.verifier.runner.num_sequences == 0
     with pytest.raises(EngineLoopStopped):
         loop.submit(_req(heldout_prompts[3], "late"))
+
+
+def _first_step_rows(engine, wait_ms: float, gaps_s: list[float]) -> int:
+    """Requests submitted to an idle loop `gaps_s` apart: how many rows the loop's
+    first step holds."""
+    rows = []
+    loop = EngineLoop(
+        engine,
+        batch_wait_ms=wait_ms,
+        on_step=lambda eng, batch: rows.append(eng.scheduler.num_rows),
+    )
+    try:
+        outs = []
+        for i, gap in enumerate([0.0, *gaps_s]):
+            time.sleep(gap)
+            outs.append(loop.submit(_req("def parse(text):", f"burst{wait_ms}-{i}", seed=i)))
+        for out in outs:
+            assert list(out)[-1].result is not None
+    finally:
+        loop.shutdown()
+    return rows[0]
+
+
+def test_an_idle_engine_starts_a_burst_of_requests_in_one_step(embedded_engine):
+    """Four requests 5 ms apart start in one step when the idle engine waits up to 50 ms
+    per arrival, and one step apart without a wait; a request that comes 400 ms later
+    is not waited for (the wait ends after 5 x 10 ms). (Gaps and waits are 10x the
+    served ones, 0.2-1 ms and 2 ms, so that a busy machine's scheduling cannot blur
+    them.)"""
+    burst = [0.005] * 3
+    assert _first_step_rows(embedded_engine, 50.0, burst) == 4
+    assert _first_step_rows(embedded_engine, 0.0, [0.05] * 3) == 1
+    assert _first_step_rows(embedded_engine, 10.0, [0.4]) == 1
+    # the default comes from the engine's scheduler config
+    loop = EngineLoop(embedded_engine)
+    try:
+        assert loop.batch_wait_s == embedded_engine.scheduler.config.batch_wait_ms / 1000
+    finally:
+        loop.shutdown()
+
+
+def test_the_batch_wait_is_validated():
+    from workers.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="batch_wait_ms"):
+        SchedulerConfig(batch_wait_ms=-1.0)
