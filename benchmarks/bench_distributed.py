@@ -175,9 +175,7 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
 
     def distributed(reqs, mode: tuple[bool, bool]) -> float:
         pipeline, wait = mode
-        ray.get(
-            group.rank0.__ray_call__.remote(_set_pipeline, pipeline, wait_s if wait else 0.0)
-        )
+        ray.get(group.rank0.__ray_call__.remote(_set_pipeline, pipeline, wait_s if wait else 0.0))
         before = ray.get(group.rank0.timings.remote())["steps"]
         start = time.perf_counter()
         results = ray.get([group.rank0.generate.remote(r) for r in reqs])

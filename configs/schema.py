@@ -295,9 +295,7 @@ def validate(c: ServeConfig) -> None:
         "batching.kv_budget_tokens",
         "must be null or >= 64",
     )
-    _check(
-        0 <= b.batch_wait_ms <= 1000, "batching.batch_wait_ms", "must be in [0, 1000] ms"
-    )
+    _check(0 <= b.batch_wait_ms <= 1000, "batching.batch_wait_ms", "must be in [0, 1000] ms")
     r = c.recovery
     _check(r.max_attempts >= 0, "recovery.max_attempts", "must be >= 0")
     _check(r.restart_attempts >= 1, "recovery.restart_attempts", "must be >= 1")
