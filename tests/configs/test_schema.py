@@ -57,6 +57,7 @@ def test_cluster_example_is_multi_node():
         ({"batching": {"max_num_seqs": 0}}, "batching.max_num_seqs"),
         ({"batching": {"max_num_batched_tokens": -1}}, "batching.max_num_batched_tokens"),
         ({"batching": {"kv_budget_tokens": 10}}, "batching.kv_budget_tokens"),
+        ({"batching": {"batch_wait_ms": -2.0}}, "batching.batch_wait_ms"),
         ({"batching": {"max_num_seq": 4}}, "batching.max_num_seq"),
     ],
 )
