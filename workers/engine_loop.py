@@ -69,8 +69,7 @@ class EngineLoop:
         self.engine = engine
         self.on_step = on_step
         if batch_wait_ms is None:
-            config = getattr(getattr(engine, "scheduler", None), "config", None)
-            batch_wait_ms = getattr(config, "batch_wait_ms", 0.0)
+            batch_wait_ms = engine.scheduler.config.batch_wait_ms
         self.batch_wait_s = batch_wait_ms / 1000.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
