@@ -120,6 +120,36 @@ def _trained_policy(p_accept: dict[str, float], steps: int = 300, cost=_observe)
     return policy
 
 
+def test_a_row_that_drafts_drafts_the_steps_k():
+    """The step is a dense block: a row cut shorter than the others saves little, so
+    every drafting row drafts the step's k, or its own ceiling where that is lower;
+    the policy still leaves out rows whose drafts do not pay (k = 0)."""
+    truth = {"hi": 0.9, "mid": 0.6, "lo": 0.05}
+
+    def cheap_k(cost: CostModel, ks):  # drafting is cheap, each drafted token costs
+        # 0.3 ms in the rest: the per-row saving that used to cut the "mid" row short
+        b, kmax = len(ks), max(ks, default=0)
+        draft, verify = 0.001 * kmax, 0.03 + 0.0001 * b * (kmax + 1)
+        cost.observe(list(ks), [0] * b, draft, verify, 0.003 + 0.0003 * sum(ks))
+
+    policy = _trained_policy(truth, steps=200, cost=cheap_k)
+    rows = [
+        PolicyRow("hi-0", "hi", 8),
+        PolicyRow("hi-1", "hi", 1),  # near its max_tokens: ceiling 1
+        PolicyRow("mid-0", "mid", 8),
+        PolicyRow("lo-0", "lo", 8),
+    ]
+    for _ in range(5):
+        plan = policy.plan(rows)
+        if not plan.explored:
+            break
+    top = max(plan.ks)
+    assert top >= 2, plan.ks
+    assert plan.ks[0] == top and plan.ks[1] == 1, plan.ks
+    assert plan.ks[2] in (0, top), plan.ks
+    assert plan.ks[3] == 0, plan.ks  # accepts 5%: not worth a drafting row
+
+
 def _goodput(p_accept, rows, ks):
     """True expected tokens per second of true step time."""
     gains = [expected_tokens(np.full(r.ceiling, p_accept[r.group])) for r in rows]
