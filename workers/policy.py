@@ -28,8 +28,9 @@ models it learns online from this engine's own steps:
 The choice (`_best`) is one k per step (the cap) and which rows draft at all: a row
 that drafts drafts the cap, or its own ceiling where that is lower (the step is a dense
 block, so a row cut shorter saves little). It reads only what earlier steps left:
-counts of accepted tokens and step timings. It never sees the current step's uniforms, drafts or target probabilities, so
-it cannot bias any rule's output law; the kernel is exact for every k (tests prove it).
+counts of accepted tokens and step timings. It never sees the current step's uniforms,
+drafts or target probabilities, so it cannot bias any rule's output law; the kernel is
+exact for every k (tests prove it).
 """
 
 from __future__ import annotations
