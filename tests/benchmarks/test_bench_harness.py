@@ -121,6 +121,25 @@ def test_the_held_out_best_fixed_k_is_chosen_and_measured_on_different_rounds():
     assert _held_out_best({2: [100.0], 4: [90.0]}) is None
 
 
+def test_the_chance_that_a_tying_policy_passes_falls_with_the_noise():
+    """Without round-to-round spread a policy as fast as the best fixed K always passes
+    0.97x; with near-tied Ks and a large spread the largest fixed mean overstates the
+    best and the same policy often fails."""
+    from benchmarks.bench_policy import _tie_pass_chance
+
+    quiet = {6: [100.0] * 10, 8: [100.0] * 10, 4: [90.0] * 2}
+    assert _tie_pass_chance(quiet, 10) == 1.0
+    noisy = {
+        6: [100.0 + (20.0 if i % 2 else -20.0) for i in range(10)],
+        8: [100.0 + (20.0 if i % 2 else -20.0) for i in range(10)],
+    }
+    chance = _tie_pass_chance(noisy, 10)
+    assert 0.2 < chance < 0.8
+    # the same spread on one K only (no rival to be lucky) passes more often
+    assert _tie_pass_chance({8: noisy[8]}, 10) > chance
+    assert _tie_pass_chance(noisy, 10) == chance  # fixed seed
+
+
 def test_policy_bench_stops_measuring_only_clearly_slower_fixed_ks():
     """The race keeps goodput, every fixed K within the margin of its rule's best, and
     rule none while either rule keeps it; what drops out keeps the rounds it had."""
