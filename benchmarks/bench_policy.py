@@ -376,7 +376,7 @@ def table(rows: list[dict], args) -> str:
         "# a policy exactly as fast as the best fixed K would reach 0.97x of it, measured "
         "this way with this run's round-to-round spread (Monte Carlo), with chance: "
         + ", ".join(f"{r['clients']} {r['rule']} {r['tie_pass']:.2f}" for r in rows)
-        + f"; in every cell at once {every:.2f}"
+        + f"; in every cell at once {every:.3f}"
     )
     if all(r["held_out_ratio"] for r in rows):
         lines.append(
