@@ -1,7 +1,7 @@
 """The goodput speculation policy against every fixed K, served, side by side.
 
     python -m benchmarks.bench_policy [--quick] [--seconds S] [--rounds R]
-                                      [--levels 1 4 8 16] [--plot PATH]
+                                      [--levels 1 4 8 16] [--plot PATH] [--settle S]
                                       [--race-after N] [--race-margin X]
 
 One server runs as `make serve` runs it (TP = 1, embedded pair, `speculation.policy:
@@ -24,6 +24,15 @@ to it. Rank 0 reports what the goodput policy chose (mean k, histogram) and pred
 (tokens and step time) against what the steps gave. The last lines say how often a
 policy exactly as fast as the best fixed K would reach 0.97x of it, measured this way
 with this run's spread: the largest of several noisy fixed means overstates the best.
+
+Each cell's clients first run `--settle` seconds unmeasured, then its measured window
+starts while they go on. A cell right after a different one (another rule, K or
+policy) runs slower for a while: two cells of the same kind back to back measured
+1.046x +- 0.011 (fixed K = 8) and 1.031x +- 0.020 (goodput) the second time against
+the first, cactus at 16 clients, 8 rounds (benchmarks/results/2026-12-01-vm-policy.md,
+"Carry-over between cells"). In the rotation the goodput cell always follows a fixed
+one, so without the settle time the cost of the switch fell on whichever cells follow
+a change, not evenly.
 """
 
 from __future__ import annotations
@@ -172,6 +181,7 @@ def measure(args) -> list[dict]:
                             clients,
                             args.seconds,
                             max_tokens=MAX_TOKENS,
+                            warmup_s=args.settle,
                             num_speculative_tokens=CEILING,
                         )
                         _merge(policy.setdefault(rule, {}), _delta(_rank0_policy(), before))
@@ -182,6 +192,7 @@ def measure(args) -> list[dict]:
                             clients,
                             args.seconds,
                             max_tokens=MAX_TOKENS,
+                            warmup_s=args.settle,
                             num_speculative_tokens=max(k, 1),
                         )
                     if res.errors:
@@ -332,7 +343,8 @@ def table(rows: list[dict], args) -> str:
     lines = [
         f"# speculation policy, served (TP = 1, embedded pair), {args.seconds:g} s x up to "
         f"{args.rounds} rounds per cell (mean over rounds), {MAX_TOKENS}-token streams, "
-        f"goodput ceiling K = {CEILING}",
+        f"goodput ceiling K = {CEILING}; each cell's clients ran {args.settle:g} s unmeasured "
+        "before its window",
         f"# after {args.race_after} rounds a fixed K below {args.race_margin:g}x its rule's best "
         "fixed K is not measured again; its figure (in parentheses) is the mean of the rounds "
         "it had. s.e.: the ratio's standard error from both cells' round-to-round spread",
@@ -437,11 +449,16 @@ def main(argv=None) -> int:
         "--race-after", type=int, default=2, help="rounds before clearly slower fixed K drop out"
     )
     parser.add_argument("--race-margin", type=float, default=0.9)
+    parser.add_argument(
+        "--settle", type=float, default=None, help="unmeasured seconds before each cell's window"
+    )
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
     args.levels = args.levels or ([1, 8] if args.quick else [1, 4, 8, 16])
     args.seconds = args.seconds or (3.0 if args.quick else 5.0)
     args.rounds = args.rounds or (1 if args.quick else 10)
+    if args.settle is None:
+        args.settle = 1.0 if args.quick else 2.0
     from cactus import environment
 
     environment.apply()

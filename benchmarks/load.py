@@ -110,13 +110,23 @@ class ServerProcess:
 
 
 def run_level(
-    address: str, rule: str, clients: int, seconds: float, *, max_tokens: int, **request
+    address: str,
+    rule: str,
+    clients: int,
+    seconds: float,
+    *,
+    max_tokens: int,
+    warmup_s: float = 0.0,
+    **request,
 ) -> LoadResult:
-    """`clients` threads streaming back to back for `seconds`; `request`: more request
-    fields (num_speculative_tokens, delta)."""
+    """`clients` threads streaming back to back for `warmup_s` + `seconds`; only the
+    last `seconds` are measured (tokens, TTFT, ITL of requests started in them), so a
+    warm-up lets the server settle into this load after whatever ran before it.
+    `request`: more request fields (num_speculative_tokens, delta)."""
     result = LoadResult(rule, clients, seconds)
     lock = threading.Lock()
-    stop_at = time.monotonic() + seconds
+    begin_at = time.monotonic() + warmup_s
+    stop_at = begin_at + seconds
 
     def worker(idx: int) -> None:
         client = CactusClient(address, timeout=300)
@@ -144,18 +154,19 @@ def run_level(
                             itl.append((now - last) / len(chunk.token_ids))
                         last = now
                         # count only tokens produced inside the window
-                        if now <= stop_at:
+                        if begin_at <= now <= stop_at:
                             tokens += len(chunk.token_ids)
             except grpc.RpcError:
                 with lock:
                     result.errors += 1
                 continue
             with lock:
-                result.requests += 1
                 result.tokens += tokens
-                if ttft is not None:
-                    result.ttft.append(ttft)
-                result.itl.extend(itl)
+                if start >= begin_at:  # latencies of the requests the window started
+                    result.requests += 1
+                    if ttft is not None:
+                        result.ttft.append(ttft)
+                    result.itl.extend(itl)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
     for t in threads:

@@ -266,7 +266,11 @@ class SpeculativeEngine:
         planned = [s.planned_k for s in running]
         expected = {s.id: s.expected_tokens for s in running}
         lags = {s.id: s.undrafted for s in running}
-        predicted_s = self.policy.cost.predict(planned, list(lags.values()))
+        predicted_s = self.policy.cost.predict(
+            planned,
+            list(lags.values()),
+            tokens=sum(expected[s.id] if k else 1.0 for s, k in zip(running, planned, strict=True)),
+        )
         ks, blocks = self._propose(running, planned)  # propose
         # Rows of one acceptance group (same K, rule, TAS threshold) side by side: the
         # kernel then takes each group as a view of the flat tensors, not a copy.

@@ -21,7 +21,10 @@ models it learns online from this engine's own steps:
   time, so the rest also holds admission, planning, the caller's loop and the step's
   prefill chunks: a prefill forward costs mostly per call, and under load nearly every
   step carries one, so it is a cost per step (fewer, longer steps save it); at low
-  load it is rare. No offline profiling: the first
+  load it is rare. The rest also has a cost per emitted token (detokenising, stop
+  checks, streaming), fitted so that the other terms do not absorb it (Cactus emits
+  about twice the tokens of sps per step) but left out of the choice, which it cannot
+  change (`CostModel.coefs`). No offline profiling: the first
   `warmup_steps` steps cycle through k = K, K/2, 1, 0 (so every coefficient is seen),
   and afterwards every `explore_every`-th step moves the cap by one either way.
 
@@ -52,6 +55,7 @@ class PolicyConfig:
     prior_strength: float = 4.0  # pseudo-counts of the rule's average in a row's estimate
     rule_prior: float = 0.5  # acceptance per position before a rule has any data
     rule_decay: float = 0.998  # forgetting of a rule's average per observation of a position
+    emitted_cost: bool = True  # fit a cost per emitted token (see CostModel)
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -241,10 +245,12 @@ class CostModel:
     drafting rows x max k; what grows with each row's own k is the vocabulary-sized
     work (sampling processing, the kernel, the draft probabilities' transport)."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, emitted: bool = True) -> None:
         self.draft = _Fit(4, window)  # [1, max k, drafting rows x max k, catch-up tokens]
         self.verify = _Fit(3, window)  # [1, rows, rows x (max k + 1)]
-        self.rest = _Fit(4, window)  # [1, rows, drafted tokens, drafting rows x max k]
+        # [1, rows, drafted tokens, drafting rows x max k, emitted tokens]
+        self.emitted = emitted
+        self.rest = _Fit(5 if emitted else 4, window)
         self.steps = 0
 
     @staticmethod
@@ -255,21 +261,38 @@ class CostModel:
         draft = [1.0, kmax, drafting * kmax, catch] if kmax else None
         return draft, [1.0, b, b * (kmax + 1)], [1.0, b, sum(ks), drafting * kmax]
 
-    def observe(self, ks, lags, draft_s: float, verify_s: float, rest_s: float) -> None:
+    def observe(
+        self, ks, lags, draft_s: float, verify_s: float, rest_s: float, tokens: float = 0.0
+    ) -> None:
+        """`tokens`: what the step emitted (accepted + 1 per row)."""
         fd, fv, fr = self.features(ks, lags)
         if fd is not None:
             self.draft.add(fd, draft_s)
         self.verify.add(fv, verify_s)
-        self.rest.add(fr, rest_s)
+        self.rest.add([*fr, tokens] if self.emitted else fr, rest_s)
         self.steps += 1
 
-    def predict(self, ks, lags) -> float:
+    def predict(self, ks, lags, tokens: float = 0.0) -> float:
+        """Step time for these ks; `tokens`: the tokens it is expected to emit."""
         fd, fv, fr = self.features(ks, lags)
-        t = float(np.dot(self.verify.coef(), fv) + np.dot(self.rest.coef(), fr))
+        r = self.rest.coef()
+        t = float(np.dot(self.verify.coef(), fv) + np.dot(r[:4], fr))
+        if self.emitted:
+            t += float(r[4]) * tokens
         return t + (float(np.dot(self.draft.coef(), fd)) if fd is not None else 0.0)
 
+    def per_token_s(self) -> float:
+        """The fitted cost of emitting one token (0 without that term)."""
+        return float(self.rest.coef()[4]) if self.emitted else 0.0
+
     def coefs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.draft.coef(), self.verify.coef(), self.rest.coef()
+        """The coefficients the choice uses. A cost per emitted token is left out: with
+        it a plan's goodput is E / (T + c E) = 1 / (T / E + c), whose best plan is the
+        best plan of E / T, so it changes no choice. It is fitted all the same, so that
+        the other coefficients do not absorb it: Cactus emits about twice the tokens of
+        sps per step at the same k, and a fit without the term (rules pooled) charged
+        that work to longer drafts."""
+        return self.draft.coef(), self.verify.coef(), self.rest.coef()[:4]
 
 
 class SpeculationPolicy:
@@ -278,7 +301,8 @@ class SpeculationPolicy:
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
         self.acceptance = AcceptanceModel(self.config)
-        self.cost = CostModel(self.config.window)
+        self.cost = CostModel(self.config.window, emitted=self.config.emitted_cost)
+        self._emitted = 0.0  # tokens the last observed step emitted
         self.stats = PolicyStats()
 
     @property
@@ -373,7 +397,8 @@ class SpeculationPolicy:
         # of the vocabulary-sized work per position while giving up its likeliest
         # extra tokens, and that saving is the cost the fits pin down least. Served,
         # the per-row cuts cost cactus at 16 clients about 10% against fixed K = 8
-        # (README, speculation policy).
+        # (benchmarks/results/2026-12-01-vm-policy.md, "Kept: a row that drafts drafts
+        # the step's k").
         top = max(best, default=0)
         return [min(r_.ceiling, top) if k > 0 else 0 for r_, k in zip(rows, best, strict=True)]
 
@@ -383,7 +408,8 @@ class SpeculationPolicy:
             for r, k in zip(rows, ks, strict=True)
         ]
         expected = [float(gains[i, k]) for i, k in enumerate(ks)]
-        t = self.cost.predict(ks, [r.lag for r in rows]) if self.cost.steps else 0.0
+        lags = [r.lag for r in rows]
+        t = self.cost.predict(ks, lags, tokens=sum(expected)) if self.cost.steps else 0.0
         return Plan(ks, expected, t, explored)
 
     # ---- learning ------------------------------------------------------------------
@@ -395,6 +421,7 @@ class SpeculationPolicy:
         top = max(ks, default=0)
         st.step_max_k[top] += 1
         st.short_rows += sum(1 for r, k in zip(rows, ks, strict=True) if k < top and k < r.ceiling)
+        self._emitted = float(sum(a + 1 for a in accepted))
         for r, k, a, e in zip(rows, ks, accepted, expected, strict=True):
             if k:
                 self.acceptance.observe(r.request_id, r.group, k, a)
@@ -410,7 +437,8 @@ class SpeculationPolicy:
             self.stats.predicted_time_s += predicted_s
             self.stats.realised_time_s += draft_s + verify_s + rest_s
             self.stats.timed_steps += 1
-        self.cost.observe(ks, lags, draft_s, verify_s, rest_s)
+        self.cost.observe(ks, lags, draft_s, verify_s, rest_s, tokens=self._emitted)
+        self._emitted = 0.0
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
@@ -420,5 +448,10 @@ class SpeculationPolicy:
         each feature, see CostModel), for reports and debugging."""
         out = self.stats.as_dict()
         d, v, r = self.cost.coefs()
-        out["cost_model"] = {"draft": d.tolist(), "verify": v.tolist(), "rest": r.tolist()}
+        out["cost_model"] = {
+            "draft": d.tolist(),
+            "verify": v.tolist(),
+            "rest": r.tolist(),
+            "per_emitted_token": self.cost.per_token_s(),
+        }
         return out

@@ -74,7 +74,18 @@ def test_policy_bench_measures_every_fixed_k_and_the_policy(tmp_path):
             sys.executable,
             "-m",
             "benchmarks.bench_policy",
-            *("--levels", "1", "--seconds", "1.5", "--rounds", "1", "--warmup", "1.5"),
+            *(
+                "--levels",
+                "1",
+                "--seconds",
+                "1.5",
+                "--rounds",
+                "1",
+                "--warmup",
+                "1.5",
+                "--settle",
+                "0.5",
+            ),
             *("--plot", str(plot)),
         ],
         cwd=REPO,
@@ -172,3 +183,54 @@ def test_policy_bench_stops_measuring_only_clearly_slower_fixed_ks():
     ]
     cells["none", 0] = [57.0, 57.0]  # within 0.9x of sps's best: measured on
     assert ("none", 0) in _race(active, cells, 0.9)
+
+
+def test_a_load_level_measures_only_the_window_after_its_settle_time():
+    """`run_level(warmup_s=...)`: the clients stream from the start, but only tokens
+    that arrive after the settle time count. Against a real gRPC server on 127.0.0.1
+    that sends one token per 20 ms (it cannot go faster), two clients can deliver at
+    most 2 x 0.6 s / 20 ms = 60 tokens in the 0.6 s window (plus one in flight each),
+    where counting from the start would allow up to 110."""
+    import threading
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    from benchmarks.load import run_level
+    from protos.cactus.v1 import cactus_pb2 as pb
+    from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
+
+    class Paced(pb_grpc.CactusServicer):
+        def __init__(self) -> None:
+            self.started: list[float] = []
+            self.lock = threading.Lock()
+
+        def GenerateStream(self, request, context):
+            with self.lock:
+                self.started.append(time.monotonic())
+            for i in range(8):
+                time.sleep(0.02)
+                yield pb.GenerateResponse(
+                    request_id="r",
+                    text="x",
+                    token_ids=[i],
+                    finish_reason="LENGTH" if i == 7 else "",
+                )
+
+    servicer = Paced()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_CactusServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        begin = time.monotonic()
+        res = run_level(f"127.0.0.1:{port}", "sps", 2, 0.6, max_tokens=8, warmup_s=0.5)
+    finally:
+        server.stop(grace=None)
+    assert res.errors == 0 and res.seconds == 0.6
+    assert 0 < res.tokens <= 62, res.tokens
+    # the clients were streaming during the settle time already
+    assert min(servicer.started) < begin + 0.25
+    # latencies come from the requests the window started only
+    assert 0 < res.requests < len(servicer.started) and len(res.ttft) == res.requests

@@ -410,3 +410,48 @@ def test_a_failing_prefetch_costs_only_the_head_start(goodput_engine, monkeypatc
     results = _run(goodput_engine, _requests(3, max_tokens=24))
     assert all(len(r.token_ids) == 24 for r in results)
     assert all(r.stats.draft_failures == 0 and r.stats.num_drafts > 0 for r in results)
+
+
+def test_a_cost_per_emitted_token_is_fitted_apart_and_changes_no_choice():
+    """A machine whose step also costs 0.4 ms per emitted token (detokenising,
+    streaming), serving two groups in turn, as a served replica does: "hi" accepts 90%
+    per position and drafts long, "lo" 40% and drafts short. With the per-token term
+    the fit predicts both groups' steps (pooled, rules apart only by what they emit)
+    and the plan reaches the true best goodput E / (T + c E)."""
+    c = 0.0004
+    truth = {"hi": 0.9, "lo": 0.4}
+    rng = np.random.default_rng(3)
+
+    def step(k_range, p, b=16):
+        ks = rng.integers(*k_range, size=1).tolist() * b
+        accepted = [int(min(k, rng.geometric(1 - p) - 1)) for k in ks]
+        tokens = sum(a + 1 for a in accepted)
+        draft, verify, rest = _parts(ks)
+        return ks, draft, verify, rest + c * tokens, tokens
+
+    cost = CostModel(256)
+    for i in range(256):
+        ks, draft, verify, rest, tokens = step(*(((5, 9), 0.9) if i % 2 else ((1, 5), 0.4)))
+        cost.observe(ks, [0] * len(ks), draft, verify, rest, tokens=tokens)
+    assert cost.per_token_s() == pytest.approx(c, rel=0.05)
+    for group, k in (("hi", 8), ("lo", 2)):
+        ks = [k] * 16
+        e = 16 * expected_tokens(np.full(k, truth[group]))[k]
+        real = _true_cost(ks) + c * e
+        assert cost.predict(ks, [0] * 16, tokens=e) == pytest.approx(real, rel=0.01)
+    # the choice: as good as the best dense k on the true costs, per-token work included
+    policy = SpeculationPolicy(PolicyConfig(warmup_steps=1))
+    policy.cost = cost
+    for group, p in truth.items():
+        rows = [PolicyRow(f"{group}-{i}", group, 8) for i in range(16)]
+        for i in range(200):  # the acceptance model learns the group
+            policy.acceptance.observe(
+                f"{group}-{i}", group, 8, int(min(8, rng.geometric(1 - p) - 1))
+            )
+        ks = policy._best(rows, policy._gains(rows))
+
+        def goodput(k, p=p):
+            e = 16 * expected_tokens(np.full(8, p))[k]
+            return e / (_true_cost([k] * 16) + c * e)
+
+        assert goodput(max(ks)) >= 0.99 * max(goodput(k) for k in range(9)), (group, ks)
