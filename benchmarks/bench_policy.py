@@ -30,9 +30,10 @@ starts while they go on. A cell right after a different one (another rule, K or
 policy) runs slower for a while: two cells of the same kind back to back measured
 1.046x +- 0.011 (fixed K = 8) and 1.031x +- 0.020 (goodput) the second time against
 the first, cactus at 16 clients, 8 rounds (benchmarks/results/2026-12-01-vm-policy.md,
-"Carry-over between cells"). In the rotation the goodput cell always follows a fixed
-one, so without the settle time the cost of the switch fell on whichever cells follow
-a change, not evenly.
+"Carry-over between cells"). Every cell of the rotation follows a different one, and
+what it inherits depends on which (the goodput cell always follows fixed K = 8, which
+follows fixed K = 6); with 2 s of unmeasured load first, a second cell of the same kind
+no longer measured faster than the first.
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ class _Timed(NamedTuple):
     verify_s: float
     predicted_s: float
     decode_s: float  # the whole decode (draft, verify, accept, commit, emission)
+    tokens: int  # emitted by the step (accepted + 1 per row)
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,13 @@ class SpeculativeEngine:
             self.timing.overhead_s += busy - prefill_s - timed.decode_s
             rest_s = busy - timed.draft_s - timed.verify_s
             self.policy.observe_time(
-                timed.ks, timed.lags, timed.draft_s, timed.verify_s, rest_s, timed.predicted_s
+                timed.ks,
+                timed.lags,
+                timed.draft_s,
+                timed.verify_s,
+                rest_s,
+                timed.predicted_s,
+                tokens=timed.tokens,
             )
         self._left_busy = leave if self.has_work() else None
         return len(running)
@@ -314,7 +321,15 @@ class SpeculativeEngine:
         self.last_step = StepRecord(
             [s.request.speculation.rule for s in running], ks, accepted, predicted
         )
-        timed = _Timed(ks, [lags[s.id] for s in running], t1 - t0, t2 - t1, predicted_s, t4 - t0)
+        timed = _Timed(
+            ks,
+            [lags[s.id] for s in running],
+            t1 - t0,
+            t2 - t1,
+            predicted_s,
+            t4 - t0,
+            sum(a + 1 for a in accepted),
+        )
         return sum(k + 1 for k in ks), timed
 
     def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:

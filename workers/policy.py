@@ -55,7 +55,6 @@ class PolicyConfig:
     prior_strength: float = 4.0  # pseudo-counts of the rule's average in a row's estimate
     rule_prior: float = 0.5  # acceptance per position before a rule has any data
     rule_decay: float = 0.998  # forgetting of a rule's average per observation of a position
-    emitted_cost: bool = True  # fit a cost per emitted token (see CostModel)
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -245,12 +244,11 @@ class CostModel:
     drafting rows x max k; what grows with each row's own k is the vocabulary-sized
     work (sampling processing, the kernel, the draft probabilities' transport)."""
 
-    def __init__(self, window: int, emitted: bool = True) -> None:
+    def __init__(self, window: int) -> None:
         self.draft = _Fit(4, window)  # [1, max k, drafting rows x max k, catch-up tokens]
         self.verify = _Fit(3, window)  # [1, rows, rows x (max k + 1)]
         # [1, rows, drafted tokens, drafting rows x max k, emitted tokens]
-        self.emitted = emitted
-        self.rest = _Fit(5 if emitted else 4, window)
+        self.rest = _Fit(5, window)
         self.steps = 0
 
     @staticmethod
@@ -269,21 +267,18 @@ class CostModel:
         if fd is not None:
             self.draft.add(fd, draft_s)
         self.verify.add(fv, verify_s)
-        self.rest.add([*fr, tokens] if self.emitted else fr, rest_s)
+        self.rest.add([*fr, tokens], rest_s)
         self.steps += 1
 
     def predict(self, ks, lags, tokens: float = 0.0) -> float:
         """Step time for these ks; `tokens`: the tokens it is expected to emit."""
         fd, fv, fr = self.features(ks, lags)
-        r = self.rest.coef()
-        t = float(np.dot(self.verify.coef(), fv) + np.dot(r[:4], fr))
-        if self.emitted:
-            t += float(r[4]) * tokens
+        t = float(np.dot(self.verify.coef(), fv) + np.dot(self.rest.coef(), [*fr, tokens]))
         return t + (float(np.dot(self.draft.coef(), fd)) if fd is not None else 0.0)
 
     def per_token_s(self) -> float:
-        """The fitted cost of emitting one token (0 without that term)."""
-        return float(self.rest.coef()[4]) if self.emitted else 0.0
+        """The fitted cost of emitting one token."""
+        return float(self.rest.coef()[4])
 
     def coefs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The coefficients the choice uses. A cost per emitted token is left out: with
@@ -301,8 +296,7 @@ class SpeculationPolicy:
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
         self.acceptance = AcceptanceModel(self.config)
-        self.cost = CostModel(self.config.window, emitted=self.config.emitted_cost)
-        self._emitted = 0.0  # tokens the last observed step emitted
+        self.cost = CostModel(self.config.window)
         self.stats = PolicyStats()
 
     @property
@@ -421,7 +415,6 @@ class SpeculationPolicy:
         top = max(ks, default=0)
         st.step_max_k[top] += 1
         st.short_rows += sum(1 for r, k in zip(rows, ks, strict=True) if k < top and k < r.ceiling)
-        self._emitted = float(sum(a + 1 for a in accepted))
         for r, k, a, e in zip(rows, ks, accepted, expected, strict=True):
             if k:
                 self.acceptance.observe(r.request_id, r.group, k, a)
@@ -431,14 +424,21 @@ class SpeculationPolicy:
             st.realised_tokens[r.group] += a + 1
 
     def observe_time(
-        self, ks, lags, draft_s: float, verify_s: float, rest_s: float, predicted_s: float
+        self,
+        ks,
+        lags,
+        draft_s: float,
+        verify_s: float,
+        rest_s: float,
+        predicted_s: float,
+        tokens: float = 0.0,
     ) -> None:
+        """A step's times; `tokens`: what it emitted (accepted + 1 per row)."""
         if predicted_s > 0:
             self.stats.predicted_time_s += predicted_s
             self.stats.realised_time_s += draft_s + verify_s + rest_s
             self.stats.timed_steps += 1
-        self.cost.observe(ks, lags, draft_s, verify_s, rest_s, tokens=self._emitted)
-        self._emitted = 0.0
+        self.cost.observe(ks, lags, draft_s, verify_s, rest_s, tokens=tokens)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
