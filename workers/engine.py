@@ -233,13 +233,18 @@ class SpeculativeEngine:
         self._plan_next()
         leave = time.perf_counter()
         if timed is not None:
-            # The policy learns the step's whole cost in wall-clock time, its prefill
-            # chunks included: a prefill forward costs mostly per call, and under load
-            # nearly every step carries one, so it is a cost per step, which favours
-            # longer drafts (fewer steps); at low load it is rare and small.
+            # The policy learns the step's whole busy cycle in wall-clock time except
+            # its prefill chunks. Prefill is each request's own work, done once whatever
+            # k the steps draft, and arrives with the requests that finish: a cost in
+            # proportion to emitted tokens, which changes no choice (see
+            # CostModel.coefs). Counted in the step, it also tilted the k fits: served
+            # at 16 clients, sps, the goodput policy's k = 2 steps carried 20-31 ms of
+            # prefill against 7-16 ms for its k = 3-5 steps (two runs), so time seemed
+            # to grow less with k than it does (benchmarks/results/2026-12-01-vm-policy.md,
+            # "Prefill out of the step cost").
             busy = between + (leave - enter)
             self.timing.overhead_s += busy - prefill_s - timed.decode_s
-            rest_s = busy - timed.draft_s - timed.verify_s
+            rest_s = busy - prefill_s - timed.draft_s - timed.verify_s
             self.policy.observe_time(
                 timed.ks,
                 timed.lags,

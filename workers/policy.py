@@ -18,10 +18,11 @@ models it learns online from this engine's own steps:
   tokens, drafting rows x max k] (the last: a remote draft pass of the next step runs
   meanwhile and slows this side on a shared machine, in proportion to its own work,
   not to each row's k). The engine reports each step's whole busy cycle in wall-clock
-  time, so the rest also holds admission, planning, the caller's loop and the step's
-  prefill chunks: a prefill forward costs mostly per call, and under load nearly every
-  step carries one, so it is a cost per step (fewer, longer steps save it); at low
-  load it is rare. The rest also has a cost per emitted token (detokenising, stop
+  time but its prefill chunks, so the rest also holds admission, planning and the
+  caller's loop. Prefill is each request's own work, done once whatever k the steps
+  draft and arriving as requests finish (a cost in proportion to emitted tokens); in
+  the step it tilted the k fits, because the steps it landed in were not a random
+  draw of k (engine.step). The rest also has a cost per emitted token (detokenising, stop
   checks, streaming), fitted so that the other terms do not absorb it (Cactus emits
   about twice the tokens of sps per step) but left out of the choice, which it cannot
   change (`CostModel.coefs`). No offline profiling: the first

@@ -399,6 +399,41 @@ def test_the_cost_model_learns_the_whole_busy_cycle():
     assert all(len(q[-1].result.token_ids) == 24 for q in outs)
 
 
+def test_prefill_is_left_out_of_the_step_cost(monkeypatch):
+    """A prompt prefilled during a decode step (here slowed by 150 ms) is the request's
+    own work, not the step's: the policy's realised step time leaves it out, while the
+    loop's other time stays in."""
+    from workers.local import local_engine
+
+    engine = local_engine(*_dirs(), scheduler=SchedulerConfig(policy="goodput"))
+    real = engine.verifier.prefill
+
+    def slow(chunks):
+        time.sleep(0.15)
+        return real(chunks)
+
+    monkeypatch.setattr(engine.verifier, "prefill", slow)
+    t, st = engine.timing, engine.policy.stats
+    first, second = _requests(2, max_tokens=24)
+    outs = [deque(), deque()]
+    engine.add_request(first, outs[0].append)
+    while st.steps < 3:  # the first request decodes alone
+        engine.step()
+    engine.add_request(second, outs[1].append)
+    prefilled, charged = [], []
+    while engine.has_work():
+        before = (st.timed_steps, st.realised_time_s, t.prefill_s)
+        decode = t.draft_s + t.verify_s + t.accept_s + t.bookkeeping_s
+        engine.step()
+        decode = t.draft_s + t.verify_s + t.accept_s + t.bookkeeping_s - decode
+        if st.timed_steps > before[0] and t.prefill_s - before[2] >= 0.15:
+            prefilled.append(t.prefill_s - before[2])
+            charged.append(st.realised_time_s - before[1] - decode)
+    assert prefilled, "no prompt was prefilled during a timed decode step"
+    assert max(charged) < 0.1, (charged, prefilled)
+    assert all(len(q[-1].result.token_ids) == 24 for q in outs)
+
+
 def test_a_failing_prefetch_costs_only_the_head_start(goodput_engine, monkeypatch):
     """A drafter whose prefetch raises (a closed channel, a bug): the step goes on, the
     next propose asks again, every request completes with all its tokens."""
