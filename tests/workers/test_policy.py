@@ -401,8 +401,8 @@ def test_the_cost_model_learns_the_whole_busy_cycle():
 
 def test_prefill_is_left_out_of_the_step_cost(monkeypatch):
     """A prompt prefilled during a decode step (here slowed by 150 ms) is the request's
-    own work, not the step's: the policy's realised step time leaves it out, while the
-    loop's other time stays in."""
+    own work, not the step's: the policy's realised step time leaves it out (that the
+    loop's other time stays in is test_the_cost_model_learns_the_whole_busy_cycle)."""
     from workers.local import local_engine
 
     engine = local_engine(*_dirs(), scheduler=SchedulerConfig(policy="goodput"))
