@@ -9,7 +9,8 @@ models it learns online from this engine's own steps:
 - Acceptance (`AcceptanceModel`): the probability that drafted position j is accepted
   given that j - 1 were, per request, shrunk towards the running average of its rule
   and delta (Cactus accepts more at a larger delta, so a delta = 0 row and a delta = 1
-  row of the same batch want different k). A row drafting k tokens emits
+  row of the same batch want different k; a position the rule has not drafted yet
+  starts at the rule's acceptance over all positions). A row drafting k tokens emits
   E(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_m tokens in expectation.
 - Step cost (`CostModel`): three linear fits over a sliding window of steps, each from
   the quantities that drive it. A step is a dense [rows, max k + 1] block, so: the
