@@ -159,7 +159,7 @@ class AcceptanceModel:
         m = self.c.prior_strength
         g = self._grow(self._groups.get(group), size)
         # A position of the group is shrunk towards the group's acceptance over all
-        # positions (about the same at every position: Cactus delta 1 accepts 0.94-0.96
+        # positions (about the same at every position: Cactus delta 1 accepts 0.94-0.97
         # at each of 1..8, sps 0.76-0.84), and that towards rule_prior. A position the
         # policy has not drafted yet so starts where the others are, not at the
         # uninformed prior: otherwise a group whose drafts were short (the policy learnt
