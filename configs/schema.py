@@ -94,7 +94,9 @@ class SamplingConfig(_Model):
 
 
 class AuthConfig(_Model):
-    token: Str | None = doc("bearer token every RPC must carry; null = no auth", None)
+    token: Str | None = doc(
+        "bearer token every Cactus RPC and HTTP request must carry; null = no auth", None
+    )
     token_env: Str = doc(
         "environment variable read for the token when `token` is null", "CACTUS_AUTH_TOKEN"
     )

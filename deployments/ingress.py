@@ -301,7 +301,8 @@ class CactusIngress:
             first = True
             with self.metrics.running():
                 async for chunk in self.engine.astream(req):
-                    self.metrics.token_latency(req, start, first)
+                    if first or chunk.token_ids:  # a chunk with the result only is no token
+                        self.metrics.token_latency(req, start, first)
                     first = False
                     msg = pb.GenerateResponse(
                         request_id=chunk.request_id,
@@ -376,10 +377,15 @@ class CactusIngress:
         )
 
     async def Watch(self, request, grpc_context=None):
-        """The status now, then every change (checked every 0.5 s)."""
+        """The status now, then every change (checked every 0.5 s). An unknown service
+        gets SERVICE_UNKNOWN and the call stays open, as the health protocol says."""
         last = None
         while True:
-            status = await self._status()
+            status = (
+                await self._status()
+                if request.service in self.SERVICES
+                else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            )
             if status != last:
                 last = status
                 yield health_pb2.HealthCheckResponse(status=status)

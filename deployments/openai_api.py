@@ -21,6 +21,7 @@ FastAPI ingress), so the routes share the replica's engine, tokenizer and limits
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -32,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cactus.errors import InvalidRequestError, is_unavailable, unwrap
-from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from cactus.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, SpeculationParams
 
 FINISH = {
     "LENGTH": "length",
@@ -174,6 +175,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     top = _number(body, "top_logprobs", None, integer=True)
     if top is not None and not wanted:
         raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:  # named as the client sent it
+        raise InvalidRequestError(
+            "top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {top!r}"
+        )
     return (top or 0) if wanted else None
 
 
@@ -378,29 +383,45 @@ class Shape:
 
 
 async def sse_events(
-    shape: Shape, request, first, rest: AsyncIterator, *, include_usage: bool, on_done, cancel
+    shape: Shape,
+    request,
+    first,
+    rest: AsyncIterator,
+    *,
+    include_usage: bool,
+    on_done,
+    cancel,
+    on_token=lambda: None,
+    running=contextlib.nullcontext,
 ) -> AsyncIterator[str]:
     """Server-sent events from the engine's chunks; `first` was already awaited (so a
     failure before the first token became an HTTP status, not an event). A client
-    that goes away cancels the request."""
+    that goes away cancels the request. As a gRPC stream does (deployments/metrics.py),
+    the stream counts as `running` while it lasts, and `on_token` is called for every
+    later chunk with tokens (inter-token latency)."""
     done = False
     try:
-        chunk, is_first = first, True
-        while chunk is not None:
-            if chunk.result is not None:
-                finish = FINISH.get(chunk.result.finish_reason, "stop")
-                event = shape.delta(chunk.text, finish, first=is_first, logprobs=chunk.logprobs)
-                event["cactus"] = cactus_stats(request, chunk.result.stats)
-                yield _sse(event)
-                if include_usage:
-                    yield _sse(shape.usage_chunk(request, chunk.result))
-                done = True
-                on_done(chunk.result)
-                break
-            if chunk.text or is_first or chunk.logprobs:
-                yield _sse(shape.delta(chunk.text, None, first=is_first, logprobs=chunk.logprobs))
-                is_first = False
-            chunk = await anext(rest, None)
+        with running():
+            chunk, is_first = first, True
+            while chunk is not None:
+                if not is_first and chunk.token_ids:
+                    on_token()
+                if chunk.result is not None:
+                    finish = FINISH.get(chunk.result.finish_reason, "stop")
+                    event = shape.delta(chunk.text, finish, first=is_first, logprobs=chunk.logprobs)
+                    event["cactus"] = cactus_stats(request, chunk.result.stats)
+                    yield _sse(event)
+                    if include_usage:
+                        yield _sse(shape.usage_chunk(request, chunk.result))
+                    done = True
+                    on_done(chunk.result)
+                    break
+                if chunk.text or is_first or chunk.logprobs:
+                    yield _sse(
+                        shape.delta(chunk.text, None, first=is_first, logprobs=chunk.logprobs)
+                    )
+                    is_first = False
+                chunk = await anext(rest, None)
         yield _sse("[DONE]")
     except Exception as err:  # headers are out: the failure goes in the stream
         done = True
@@ -478,6 +499,7 @@ def build_routes(ingress, tokenize, logger):
                 return JSONResponse(shape.whole(req, result))
             stream = ingress.engine.astream(req)
             first = await anext(stream)  # a failure before the first token: a status
+            ingress.metrics.token_latency(req, start, first=True)
             options = body.get("stream_options") or {}
             return StreamingResponse(
                 sse_events(
@@ -488,6 +510,8 @@ def build_routes(ingress, tokenize, logger):
                     include_usage=bool(options.get("include_usage")),
                     on_done=lambda result: ingress.metrics.finished(req, result, start),
                     cancel=ingress.engine.cancel,
+                    on_token=lambda: ingress.metrics.token_latency(req, start, first=False),
+                    running=ingress.metrics.running,
                 ),
                 media_type="text/event-stream",
             )

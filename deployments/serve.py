@@ -26,6 +26,17 @@ def pidfile(grpc_port: int) -> Path:
     return CACHE / f"serve-{grpc_port}.pid"
 
 
+def with_resolved_token(config):
+    """The config with its token resolved here, once (`auth.token`, else the launcher's
+    `auth.token_env` variable): a replica on another node of a cluster does not see
+    this shell's environment, and would otherwise serve without auth while the
+    launcher, which sees the variable, printed no warning."""
+    token = config.auth.resolved_token()
+    if not token or token == config.auth.token:
+        return config
+    return config.model_copy(update={"auth": config.auth.model_copy(update={"token": token})})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
@@ -46,6 +57,7 @@ def main(argv=None) -> int:
     except (ConfigError, OSError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    config = with_resolved_token(config)
     environment.apply()
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.limits.max_message_bytes))
     import ray
@@ -101,7 +113,17 @@ def main(argv=None) -> int:
             )
         while not stop.wait(timeout=1.0):
             pass
-        print("shutting down", flush=True)
+        # Drain first: deleting the app stops its replicas gracefully (they take no new
+        # requests and running ones get recovery.drain_timeout_s to finish) while the
+        # proxies still carry their streams. serve.shutdown() alone kills the proxies at
+        # once, cutting every stream in flight.
+        print(
+            f"shutting down: draining running requests (up to "
+            f"{config.recovery.drain_timeout_s:g}s)",
+            flush=True,
+        )
+        serve.delete(config.app_name)
+        print("drained", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -130,3 +130,22 @@ def test_backoff_is_full_jitter_under_the_cap():
         draws = [policy.backoff(retry, rng) for _ in range(200)]
         assert min(draws) >= 0.0 and max(draws) <= cap
         assert max(draws) > 0.8 * cap  # it does spread over the range
+
+
+def test_the_default_policy_is_the_documented_one():
+    """README: 5 attempts, 0.2 s doubling to 5 s, on UNAVAILABLE and RESOURCE_EXHAUSTED;
+    both clients use it unless told otherwise."""
+    default = RetryPolicy()
+    assert (default.max_attempts, default.initial_backoff_s, default.max_backoff_s) == (5, 0.2, 5.0)
+    assert default.multiplier == 2.0
+    assert set(default.codes) == {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert CactusClient("127.0.0.1:1").retry == default
+
+    async def aclient():
+        client = AsyncCactusClient("127.0.0.1:1")
+        try:
+            return client.retry
+        finally:
+            await client.close()
+
+    assert asyncio.run(aclient()) == default

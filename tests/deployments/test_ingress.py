@@ -142,10 +142,28 @@ def test_auth_and_health(ray_session):
     assert asyncio.run(shim.Generate(CactusClient.request("x"), ctx)).text == "abc"
     assert ctx.code is None
     assert asyncio.run(shim.Check(health_pb2.HealthCheckRequest(), ctx)).status == 1  # SERVING
+    # the health service stays open to probes that send no token (load balancers,
+    # Kubernetes gRPC probes), while the Cactus RPCs above need one
+    assert asyncio.run(shim.Check(health_pb2.HealthCheckRequest(), Ctx())).status == 1
     sick = _shim(FakeEngine(fail=RuntimeError("down")))
     assert (
         asyncio.run(sick.Check(health_pb2.HealthCheckRequest(), Ctx())).status == 2
     )  # NOT_SERVING
+
+
+def test_watch_sends_the_status_and_service_unknown_for_an_unknown_service(ray_session):
+    async def first(shim, service):
+        watch = shim.Watch(health_pb2.HealthCheckRequest(service=service), Ctx())
+        try:
+            return (await anext(watch)).status
+        finally:
+            await watch.aclose()
+
+    status = health_pb2.HealthCheckResponse
+    assert asyncio.run(first(_shim(FakeEngine()), "cactus.v1.Cactus")) == status.SERVING
+    sick = _shim(FakeEngine(fail=RuntimeError("down")))
+    assert asyncio.run(first(sick, "")) == status.NOT_SERVING
+    assert asyncio.run(first(_shim(FakeEngine()), "no.such.Service")) == status.SERVICE_UNKNOWN
 
 
 def test_the_replica_reserves_each_engine_actor_once():
@@ -172,3 +190,21 @@ def test_the_replica_reserves_each_engine_actor_once():
         {"CPU": 8, "GPU": 4},
     ]
     assert bundles[1:] == engine_bundles(group_config(config))
+
+
+def test_the_launcher_hands_an_exported_token_to_every_replica(monkeypatch):
+    """`make serve` with CACTUS_AUTH_TOKEN exported: the token goes into the replica's
+    config (a replica on another node does not see the launcher's environment)."""
+    from configs.schema import load_config
+    from deployments.serve import with_resolved_token
+
+    monkeypatch.setenv("CACTUS_AUTH_TOKEN", "from-env")
+    config = load_config("configs/default.yaml")
+    assert config.auth.token is None
+    replica = to_dict(with_resolved_token(config))
+    monkeypatch.delenv("CACTUS_AUTH_TOKEN")  # as on another node
+    assert from_dict(replica).auth.resolved_token() == "from-env"
+    # no token anywhere: auth stays off; a token in the config is kept as it is
+    assert with_resolved_token(config).auth.resolved_token() is None
+    own = from_dict({**to_dict(config), "auth": {"token": "cfg"}})
+    assert with_resolved_token(own).auth.token == "cfg"

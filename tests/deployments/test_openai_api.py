@@ -144,6 +144,9 @@ def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
+        ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
+        ({"prompt": "x", "logit_bias": {"17": 5}}, 400, "logit_bias"),
     ],
 )
 def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param):
@@ -201,3 +204,48 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event(ray_
     events = [ln[len("data: ") :] for ln in reply.text.splitlines() if ln.startswith("data: ")]
     assert reply.status_code == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+    ],
+)
+def test_chat_logprob_fields_are_named_as_sent(ray_session, extra, param):
+    _, app = _app()
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    reply = _raw(
+        app, "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_an_http_stream_is_counted_in_the_latency_and_running_metrics(ray_session):
+    """An SSE stream records its first-token latency, one inter-token latency per later
+    chunk with tokens, and counts as running while it streams, as a gRPC stream does."""
+    shim, app = _app()
+    seen: list = []
+    real_running = shim.metrics.running
+
+    def token_latency(request, start, first):
+        seen.append(("first" if first else "next", shim.metrics._running))
+
+    shim.metrics.token_latency = token_latency
+    shim.metrics.running = real_running
+    reply = _raw(
+        app,
+        "POST",
+        "/v1/completions",
+        json={"prompt": "x", "stream": True},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
+    # FakeEngine streams three one-token chunks, then the result alone: a first-token
+    # latency, two inter-token latencies taken while the stream counted as running
+    assert seen == [("first", 0), ("next", 1), ("next", 1)], seen
+    assert shim.metrics._running == 0

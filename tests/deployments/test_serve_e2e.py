@@ -221,6 +221,8 @@ def test_auth_is_required_on_every_rpc(server):
             with pytest.raises(grpc.RpcError) as err:
                 call(client)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # the health service stays open to probes, which send no metadata
+        assert client.health() == "SERVING"
 
 
 def test_too_large_a_message_is_resource_exhausted(server):
@@ -358,6 +360,20 @@ def test_reflection_lists_the_services_and_health_is_the_standard_one(server):
         with pytest.raises(grpc.RpcError) as err:
             stub.Check(health_pb2.HealthCheckRequest(service="nope.v1.X"), metadata=auth)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        for service, want in (("", "SERVING"), ("nope.v1.X", "SERVICE_UNKNOWN")):
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=60)
+            first = next(watch)  # no token: probes send none
+            watch.cancel()
+            assert health_pb2.HealthCheckResponse.ServingStatus.Name(first.status) == want
+        # the probe the README gives for a full replica: Serve's proxy answers it itself
+        from ray.serve.generated import serve_pb2
+
+        healthz = channel.unary_unary(
+            "/ray.serve.RayServeAPIService/Healthz",
+            request_serializer=serve_pb2.HealthzRequest.SerializeToString,
+            response_deserializer=serve_pb2.HealthzResponse.FromString,
+        )
+        assert healthz(serve_pb2.HealthzRequest(), timeout=30).message == "success"
 
 
 def test_the_asyncio_client_matches_the_blocking_one(server):
@@ -381,6 +397,20 @@ def test_the_asyncio_client_matches_the_blocking_one(server):
     assert list(unary.token_ids) == list(want.token_ids) and unary.text == want.text
     assert [t for c in chunks for t in c.token_ids] == list(want.token_ids)
     assert health == "SERVING"
+
+
+def test_the_quickstart_client_command_streams_from_the_server(server, capsys):
+    """README Quickstart: `cactus client --prompt ... --stream` against the server."""
+    from client.cli import main
+
+    argv = ["client", "--address", server.address, "--prompt", "def fibonacci(n):"]
+    greedy = ["--max-tokens", "12", "--temperature", "0"]
+    assert main([*argv, "--token", TOKEN, "--stream", *greedy]) == 0
+    printed = capsys.readouterr().out
+    want = server.client().generate("def fibonacci(n):", max_tokens=12, temperature=0.0)
+    assert printed == want.text + "\n"
+    assert main([*argv, "--token", "wrong", "--stream", *greedy]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
 
 
 def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
@@ -637,3 +667,42 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server):
     realised = total("cactus_spec_realised_tokens")
     assert rows <= realised <= rows * 9
     assert 0.5 < total("cactus_spec_predicted_tokens") / realised < 2.0
+
+
+def test_stopping_the_server_drains_its_running_streams(server):
+    """Runs last: it stops the module's server. SIGINT (what `make stop` and Ctrl-C
+    send) while a stream runs: the stream still ends normally with every token, a
+    request that arrives meanwhile gets a clear status at once, and the process exits
+    0 (README: scale-down and shutdown drain)."""
+    client = server.client()
+    kw = {"max_tokens": 300, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
+    chunks: list = []
+    failure: list = []
+
+    def consume():
+        try:
+            chunks.extend(client.stream("def parse(text):", **kw))
+        except grpc.RpcError as err:
+            failure.append(err)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while not chunks and reader.is_alive():
+        time.sleep(0.05)
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    late = None
+    started = time.monotonic()
+    try:
+        server.client(retry=NO_RETRY).generate("def f():", max_tokens=4)
+    except grpc.RpcError as err:
+        late = err
+    refused_in = time.monotonic() - started
+    reader.join(timeout=120)
+    assert not failure, failure
+    assert chunks[-1].finish_reason == "LENGTH", chunks[-1]
+    assert sum(len(c.token_ids) for c in chunks) == 300
+    # the application is going away: Serve's proxy says so at once (README)
+    assert late is not None and late.code() == grpc.StatusCode.NOT_FOUND, late
+    assert refused_in < 10, refused_in
+    assert server.proc.wait(timeout=120) == 0

@@ -66,6 +66,13 @@ def test_logprobs_off_by_default_zero_alternatives_and_validated(embedded_engine
     )
     assert [e.top for e in greedy.logprobs] == [()] * len(greedy.token_ids)
     assert all(e.logprob == 0.0 for e in greedy.logprobs)  # greedy q is one-hot
+    # so every alternative lies outside q's support: -9999 stands for -inf (README)
+    two = embedded_engine.generate(
+        replace(base, request_id="lp-2", sampling=replace(base.sampling, logprobs=2))
+    )
+    assert LOGPROB_FLOOR == -9999.0
+    for e in two.logprobs:
+        assert e.top[0] == (e.token_id, 0.0) and e.top[1][1] == -9999.0, e
     for bad in (-1, 21, 2.5):
         with pytest.raises(InvalidRequestError, match="logprobs"):
             embedded_engine.generate(

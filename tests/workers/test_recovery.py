@@ -159,19 +159,30 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
             await asyncio.sleep(0.01)
         killed = time.monotonic()
         ray.kill(group.ranks[victim])
+        # A request that arrives while the ranks restart waits for them (README).
+        while sup.state == "SERVING" and time.monotonic() - killed < 30:
+            await asyncio.sleep(0.01)
+        assert sup.state != "SERVING", "the supervisor never noticed the kill"
+        during = asyncio.create_task(
+            sup.agenerate(_req(prompts[1], f"k{victim}-during", temperature=0.0, max_tokens=8))
+        )
         await asyncio.gather(*tasks)
         unary_result = await unary
+        during_result = await during
         # A request that arrives after the restart is served normally.
         late = await sup.agenerate(
             _req(prompts[0], f"k{victim}-late", temperature=0.0, max_tokens=8)
         )
         stop.set()
         await poll
-        return chunks, health, killed, late, unary_result
+        return chunks, health, killed, late, unary_result, during_result
 
     unary_req = _req(prompts[0], f"k{victim}-unary", temperature=0.7, seed=5, max_tokens=80)
     try:
-        chunks, health, killed, late, unary_result = asyncio.run(scenario())
+        chunks, health, killed, late, unary_result, during = asyncio.run(scenario())
+        want = _req(prompts[1], "during-ref", temperature=0.0, max_tokens=8)
+        assert during.token_ids == _uninterrupted(embedded_engine, want).token_ids
+        assert not during.stats.resumed  # it started on the new engine, nothing to resume
         # A seeded unary request that was running gives exactly its uninterrupted result.
         assert unary_result.token_ids == _uninterrupted(embedded_engine, unary_req).token_ids
         assert unary_result.request_id == unary_req.request_id and unary_result.seed == 5
