@@ -77,7 +77,8 @@ bench: setup
 
 CONFIG ?= configs/default.yaml
 PORT ?= 9000
-# Serve the embedded models: local Ray head on loopback, gRPC on 127.0.0.1:$(PORT).
+# Serve the embedded models: local Ray head on loopback, gRPC on $(PORT) (every interface:
+# Ray Serve's gRPC proxy cannot bind one), OpenAI HTTP on 127.0.0.1 (config http_host).
 # Ctrl-C shuts everything down; `make stop` stops a detached run.
 serve: setup
 	$(PY) -m deployments.serve --config $(CONFIG) --port $(PORT) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)

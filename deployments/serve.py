@@ -1,4 +1,4 @@
-"""`make serve`: a local Ray head on loopback, the Cactus app, gRPC on 127.0.0.1:PORT.
+"""`make serve`: a local Ray head on loopback, the Cactus app, gRPC on PORT (every interface).
 
     python -m deployments.serve [--config configs/default.yaml] [--port 9000]
 

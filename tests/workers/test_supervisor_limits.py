@@ -1,0 +1,135 @@
+"""The recovery limits the README promises, on a group whose ranks fail on cue (the
+real kills are in test_recovery.py and test_serve_e2e.py): a request that runs out of
+`recovery.max_attempts` ends UNAVAILABLE; a request that arrives during a restart waits
+at most `recovery.recovery_timeout_s`; after `recovery.restart_attempts` failed gang
+restarts the replica reports itself unhealthy, so Serve replaces it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cactus.errors import EngineFailedError, WorkerUnavailableError
+from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from workers.request import GenerationResult, SpecStats
+from workers.supervisor import EngineSupervisor, RecoveryConfig
+
+
+class _Rank:
+    class ping:  # noqa: N801 (Ray's actor-method spelling)
+        @staticmethod
+        def remote():
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(True)
+            return future
+
+
+class FlakyGroup:
+    """Every generate fails as a dead rank does, `fail` times, then succeeds; a gang
+    restart takes `restart_s` and fails `restart_failures` times first."""
+
+    def __init__(self, fail: int, restart_s: float = 0.0, restart_failures: int = 0) -> None:
+        self.fail, self.restart_s, self.restart_failures = fail, restart_s, restart_failures
+        self.calls, self.restarts = 0, 0
+        self.ranks, self.draft = [_Rank()], None
+
+    def model_info(self) -> dict:
+        return {"vocab_size": 8, "max_context": 64, "tp_size": 1}
+
+    async def agenerate(self, request):
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise EngineFailedError("rank 0 died")
+        return GenerationResult(request.request_id, "ok", (1,), "LENGTH", 1, 0, SpecStats())
+
+    def restart_ranks(self) -> None:  # called in a thread, as the real one blocks
+        time.sleep(self.restart_s)
+        self.restarts += 1
+        if self.restarts <= self.restart_failures:
+            raise RuntimeError("placement group gone")
+
+    def cancel(self, request_id) -> None:
+        pass
+
+
+def _req(rid: str, time_limit_s: float | None = None) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_token_ids=(1, 2),
+        request_id=rid,
+        sampling=SamplingParams(max_tokens=1, seed=1),
+        speculation=SpeculationParams(rule="none"),
+        time_limit_s=time_limit_s,
+    )
+
+
+def _config(**kw) -> RecoveryConfig:
+    return RecoveryConfig(check_period_s=0.05, probe_timeout_s=1.0, **kw)
+
+
+def test_a_request_that_runs_out_of_attempts_ends_unavailable():
+    async def run(fail: int):
+        group = FlakyGroup(fail=fail)
+        sup = EngineSupervisor(group, _config(max_attempts=2))
+        try:
+            return await sup.agenerate(_req(f"r{fail}")), group.calls
+        except WorkerUnavailableError as err:
+            return err, group.calls
+
+    # two failures: resumed twice, then served
+    result, calls = asyncio.run(run(fail=2))
+    assert result.text == "ok" and result.stats.resumed == 2 and calls == 3
+    # three failures: the first try and max_attempts = 2 more, then UNAVAILABLE
+    err, calls = asyncio.run(run(fail=3))
+    assert isinstance(err, WorkerUnavailableError) and "failed 3 times" in str(err)
+    assert calls == 3
+
+
+def test_a_request_waits_for_a_restart_at_most_the_recovery_timeout():
+    async def run():
+        group = FlakyGroup(fail=1, restart_s=1.5)
+        sup = EngineSupervisor(group, _config(recovery_timeout_s=0.4))
+        first = asyncio.create_task(sup.agenerate(_req("first")))
+        while sup.state == "SERVING":
+            await asyncio.sleep(0.01)
+        start = time.monotonic()
+        with pytest.raises(WorkerUnavailableError, match="restarting"):
+            await sup.agenerate(_req("late"))
+        waited = time.monotonic() - start
+        # its own shorter deadline wins over the recovery timeout
+        start = time.monotonic()
+        with pytest.raises(WorkerUnavailableError):
+            await sup.agenerate(_req("hurried", time_limit_s=0.1))
+        hurried = time.monotonic() - start
+        with pytest.raises(WorkerUnavailableError):  # the one that saw it waits as long
+            await first
+        assert sup.state == "RECOVERING"  # the restart goes on; the requests did not wait
+        while sup.state != "SERVING":
+            await asyncio.sleep(0.05)
+        return waited, hurried, await sup.agenerate(_req("after"))
+
+    waited, hurried, after = asyncio.run(run())
+    assert 0.3 < waited < 1.2, waited
+    assert hurried < 0.35, hurried
+    assert after.text == "ok" and after.stats.resumed == 0
+
+
+def test_after_the_restart_attempts_the_replica_reports_itself_unhealthy(ray_session):
+    from deployments.ingress import CactusIngress
+    from tests.deployments.test_ingress import _shim
+
+    async def run():
+        group = FlakyGroup(fail=1, restart_failures=2)
+        sup = EngineSupervisor(group, _config(restart_attempts=2))
+        shim = _shim(sup)
+        assert isinstance(shim, CactusIngress)
+        await shim.check_health()  # serving: healthy
+        with pytest.raises(WorkerUnavailableError):
+            await sup.agenerate(_req("doomed"))
+        assert group.restarts == 2 and sup.state == "FAILED" and not sup.alive()
+        with pytest.raises(RuntimeError, match="engine failed"):
+            await shim.check_health()  # Serve replaces a replica whose check raises
+        return await sup.ahealthy()
+
+    assert asyncio.run(run()) is False
