@@ -18,7 +18,7 @@ from workers.supervisor import EngineSupervisor, RecoveryConfig
 
 
 class _Rank:
-    class ping:  # noqa: N801 (Ray's actor-method spelling)
+    class ping:  # Ray's actor-method spelling
         @staticmethod
         def remote():
             future = asyncio.get_running_loop().create_future()
