@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import OrderedDict
 
 from ray.serve import metrics
 
+LAST_TOKEN_ENTRIES = 4096  # far more than a replica's running requests
 LATENCY_BOUNDS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 
@@ -83,7 +85,9 @@ class ServiceMetrics:
             "cactus_running_requests", description="requests running on this replica"
         )
         self._running = 0
-        self._last: dict[str, float] = {}
+        # request id -> when its last token went out; bounded, since a request whose
+        # client went away never reaches `finished` to remove its entry
+        self._last: OrderedDict[str, float] = OrderedDict()
 
     def engine(self, stats: dict, seen: dict) -> None:
         """The supervisor's counters since the last call (`seen` keeps the last)."""
@@ -111,6 +115,9 @@ class ServiceMetrics:
         else:
             self.itl.observe(now - self._last.get(request.request_id, now))
         self._last[request.request_id] = now
+        self._last.move_to_end(request.request_id)
+        while len(self._last) > LAST_TOKEN_ENTRIES:
+            self._last.popitem(last=False)
 
     def finished(self, request, result, start: float) -> None:
         rule = {"rule": request.speculation.rule}

@@ -4,6 +4,7 @@ test_serve_e2e.py): status mapping, scrubbed details, cancellation, defaults, me
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -208,3 +209,16 @@ def test_the_launcher_hands_an_exported_token_to_every_replica(monkeypatch):
     assert with_resolved_token(config).auth.resolved_token() is None
     own = from_dict({**to_dict(config), "auth": {"token": "cfg"}})
     assert with_resolved_token(own).auth.token == "cfg"
+
+
+def test_latency_bookkeeping_stays_bounded_when_clients_go_away(ray_session):
+    """A request whose client left never reaches `finished`; its last-token time must
+    not stay in the replica forever."""
+    from deployments.metrics import LAST_TOKEN_ENTRIES, ServiceMetrics
+
+    m = ServiceMetrics()
+    req = GenerationRequest(prompt="x", request_id="r")
+    for i in range(LAST_TOKEN_ENTRIES + 500):
+        m.token_latency(replace(req, request_id=f"gone-{i}"), 0.0, first=True)
+    assert len(m._last) == LAST_TOKEN_ENTRIES
+    assert f"gone-{LAST_TOKEN_ENTRIES + 499}" in m._last and "gone-0" not in m._last
