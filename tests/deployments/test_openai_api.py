@@ -230,13 +230,11 @@ def test_an_http_stream_is_counted_in_the_latency_and_running_metrics(ray_sessio
     chunk with tokens, and counts as running while it streams, as a gRPC stream does."""
     shim, app = _app()
     seen: list = []
-    real_running = shim.metrics.running
 
     def token_latency(request, start, first):
         seen.append(("first" if first else "next", shim.metrics._running))
 
     shim.metrics.token_latency = token_latency
-    shim.metrics.running = real_running
     reply = _raw(
         app,
         "POST",
