@@ -5,13 +5,18 @@ the prompt the template renders."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.conftest import embedded_dirs
-from tests.deployments.test_serve_e2e import serving
+from tests.deployments.test_serve_e2e import _kill, serving
 from workers.tp_verifier import free_port
 
 pytestmark = pytest.mark.slow
@@ -40,15 +45,16 @@ def chat_server(tmp_path_factory):
         "grpc_port": port,
         "http_port": http_port,
     }
-    with serving(config, root):
-        yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"]
+    with serving(config, root) as (_proc, ready):
+        ray_address = re.search(r"ray (\S+)\)", ready).group(1)
+        yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"], ray_address
 
 
 def test_chat_completions_render_the_template_and_stream(chat_server, embedded_engine):
     import openai
     from transformers import AutoTokenizer
 
-    base_url, verifier_dir = chat_server
+    base_url, verifier_dir, _ = chat_server
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
     messages = [
         {"role": "system", "content": "You write Python."},
@@ -92,3 +98,80 @@ def test_chat_completions_render_the_template_and_stream(chat_server, embedded_e
     ]
     assert len(entries) == len(want.token_ids) and all(e.logprob == 0.0 for e in entries)
     assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
+    chat_server, embedded_engine, heldout_prompts
+):
+    """README: a dead draft actor degrades the request, a dead rank restarts the engine
+    and the stream resumes; over HTTP as over gRPC (test_serve_e2e kills under a gRPC
+    stream). One greedy SSE stream on this TP = 1 server (default goodput policy) while
+    the draft actor and then rank 0 are killed: it ends without an error event, its text
+    is the verifier's uninterrupted greedy text, and the chunk with the finish_reason
+    says it was degraded and resumed."""
+    import httpx2
+
+    base_url, _, ray_address = chat_server
+    prompt, max_tokens = heldout_prompts[9], 900
+    want = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            speculation=SpeculationParams(rule="none"),
+        )
+    )
+    assert len(want.token_ids) > 600  # long enough to be running through both kills
+    events: list[dict] = []
+    raw: list[str] = []
+
+    def consume():
+        body = {
+            "model": "verifier",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "rule": "cactus",
+            "delta": 1.0,
+        }
+        with (
+            httpx2.Client(timeout=300) as http,
+            http.stream("POST", f"{base_url}/completions", json=body) as reply,
+        ):
+            raw.append(str(reply.status_code))
+            for line in reply.iter_lines():
+                raw.append(line)
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: ") :]))
+
+    def text() -> str:
+        return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while not events and reader.is_alive():
+        time.sleep(0.05)
+    cluster = SimpleNamespace(ray_address=ray_address)
+    _kill(cluster, "draft")
+    at_draft_kill = len(text())
+    while len(text()) < at_draft_kill + 40 and reader.is_alive():
+        time.sleep(0.05)
+    assert reader.is_alive(), "the stream ended before rank 0 was killed"
+    _kill(cluster, "rank0")
+    reader.join(timeout=300)
+    assert not reader.is_alive()
+    lines = [line for line in raw if line]
+    assert lines[0] == "200" and lines[-1] == "data: [DONE]", lines[-3:]
+    assert not any("error" in e for e in events), [e for e in events if "error" in e]
+    assert text() == want.text
+    final = [e for e in events if e.get("choices") and e["choices"][0].get("finish_reason")]
+    assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] in ("length", "stop")
+    stats = final[0]["cactus"]
+    assert stats["draft_failures"] >= 1 and stats["degraded"] and stats["resumed"] >= 1, stats
+    # and the server serves the next request normally
+    with httpx2.Client(timeout=120) as http:
+        reply = http.post(
+            f"{base_url}/completions",
+            json={"model": "verifier", "prompt": "def f():", "max_tokens": 4},
+        )
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"

@@ -254,10 +254,15 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server):
     deadline = time.monotonic() + 60
     while codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
+    # README: with the replica full, Serve's HTTP proxy queues up to max_queued_requests
+    # (its own queue: Serve bounds the queue per proxy) and answers 503 beyond that
+    http_statuses = _http_burst(server, 3)
     for call in calls:
         call.cancel()
     for t in threads:
         t.join(timeout=120)
+    statuses = http_statuses()
+    assert 503 in statuses and set(statuses) <= {200, 503}, statuses
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
     assert set(codes) <= {
         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -265,6 +270,37 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server):
         grpc.StatusCode.OK,
     }, codes
     assert len(server.client().generate("def g():", max_tokens=3).token_ids) == 3
+
+
+def _http_burst(server, n: int):
+    """n short completions over HTTP at once; returns, once the first answer is in (or
+    after 30 s), a function that waits for all of them and gives their statuses."""
+    import httpx2
+
+    statuses: list[int] = []
+
+    def send(i):
+        with httpx2.Client(timeout=300) as http:
+            reply = http.post(
+                f"{server.base_url}/completions",
+                json={"prompt": "def f():", "max_tokens": 2, "seed": i},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+        statuses.append(reply.status_code)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not statuses and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+    def wait() -> list[int]:
+        for t in threads:
+            t.join(timeout=300)
+        return statuses
+
+    return wait
 
 
 def _assert_caches_freed(server, within_s: float = 60.0) -> None:
