@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
 export TRITON_CACHE_DIR := $(CACHE)/triton
 PYTEST_ARGS ?=
 
-.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch bench-chaos bench-http bench-policy generate models clean
+.PHONY: setup protos serve stop test lint format bench bench-kernels bench-distributed bench-batch bench-chaos bench-http bench-policy gpu-check generate models clean
 
 setup: $(STAMP) protos
 
@@ -70,6 +70,13 @@ bench-chaos: setup
 bench-policy: setup
 	@mkdir -p $(CACHE)
 	$(PY) -m benchmarks.bench_policy $(if $(QUICK),--quick,) --plot $(CACHE)/policy.png
+
+# On a GPU machine (never run on the CPU CI): the CUDA tests (engine, Triton vs torch at
+# V = 151,936, a TP = 1 group on one GPU), then the in-process batch sweep on CUDA.
+gpu-check: setup
+	$(PY) -m pytest -m gpu tests/workers/test_cuda.py
+	$(PY) -m benchmarks.bench_batch --device cuda --quick
+	$(PY) -m benchmarks.bench_batch --device cuda --quick --pair qwen3
 
 # Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min.
 bench: setup

@@ -207,8 +207,14 @@ def kv_report(engine) -> str:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_slot = cfg.num_hidden_layers * 2 * heads * head_dim * 4
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gpu = ""
+    if runner.device.type == "cuda":
+        import torch
+
+        gpu = f"peak CUDA allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB; "
     return (
         f"# memory: peak resident {peak:.0f} MiB (this process: verifier + draft + sweep); "
+        f"{gpu}"
         f"verifier KV budget {runner.kv_budget_tokens} slots x {per_slot / 1024:.1f} KiB = "
         f"{runner.kv_budget_tokens * per_slot / 2**20:.0f} MiB; allocated at the end "
         f"{runner.kv_slots} slots = {runner.kv_slots * per_slot / 2**20:.0f} MiB"
@@ -223,6 +229,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (make gpu-check)")
     args = parser.parse_args(argv)
     import torch
 
@@ -241,7 +248,9 @@ def main(argv=None) -> None:
             verifier, draft = str(DEFAULT_VERIFIER), str(DEFAULT_DRAFT)
         # each rule at its own K (the sweep shows where each K stops paying; the
         # goodput policy that chooses K per step is benchmarks/bench_policy.py)
-        engine = local_engine(verifier, draft, scheduler=SchedulerConfig(policy="fixed"))
+        engine = local_engine(
+            verifier, draft, device=args.device, scheduler=SchedulerConfig(policy="fixed")
+        )
         prompts = (
             _prompts(engine.tokenizer, 32)
             if args.pair == "embedded"
@@ -251,7 +260,7 @@ def main(argv=None) -> None:
         rows = sweep(engine, prompts, batches, RULES, args.max_tokens)
         title = (
             f"# in-process batch sweep, {args.pair} pair, {args.max_tokens} tokens per request, "
-            f"T 0.6 top_k 20 top_p 0.95, K=4, {args.threads} thread(s)"
+            f"T 0.6 top_k 20 top_p 0.95, K=4, {args.threads} thread(s), {args.device}"
         )
         print(table(rows, title))
         print(kv_report(engine), flush=True)

@@ -244,6 +244,27 @@ def validate(c: ServeConfig) -> None:
         "models.dtype",
         f"must be float32, bfloat16 or float16, got {c.models.dtype!r}",
     )
+    _check(
+        c.models.device in ("cpu", "cuda"),
+        "models.device",
+        f"must be cpu or cuda, got {c.models.device!r}",
+    )
+    if c.models.device == "cuda":
+        # Ray hides the GPUs an actor did not reserve (CUDA_VISIBLE_DEVICES) only when
+        # it reserves some. With TP > 1 each rank needs whole GPUs of its own (NCCL
+        # refuses two ranks on one GPU); a lone rank and the draft may share one.
+        gpus = c.resources.verifier_rank.num_gpus
+        _check(
+            gpus >= 1 and float(gpus).is_integer() if c.tp_size > 1 else gpus > 0,
+            "resources.verifier_rank.num_gpus",
+            f"must be {'a whole number >= 1' if c.tp_size > 1 else '> 0'} with models.device "
+            f"cuda and tp_size {c.tp_size}, got {gpus}",
+        )
+        _check(
+            c.resources.draft.num_gpus > 0,
+            "resources.draft.num_gpus",
+            "must be > 0 with models.device cuda (a fraction shares a GPU)",
+        )
     _check(c.tp_size >= 1, "tp_size", f"must be >= 1, got {c.tp_size}")
     s = c.speculation
     _check(

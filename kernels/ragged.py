@@ -58,6 +58,7 @@ def ragged_accept(
         if key == PLAIN:
             q = flat.target(rows, 1)[:, 0]  # [G, V]: the bonus row is the only row
             u = metadata.uniforms.index_select(0, index.to(metadata.uniforms.device))[:, 0]
+            u = u.to(q.device)
             out[index, 0] = inverse_cdf_sample(q, u)
             continue
         result = _accept_group(flat, rows, index, key, metadata, has_ceiling)

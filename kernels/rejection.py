@@ -36,6 +36,7 @@ from kernels.sampling import (
     SAMPLE_BLOCK,
     block_columns,
     block_sums,
+    draw_uniforms_like,
     inverse_cdf_sample,
     sample_from_blocks,
 )
@@ -95,18 +96,22 @@ def _accept_torch(
     device = target_probs.device
     uniforms = metadata.uniforms  # [B, K + 1] float64
     if uniforms is None:
-        uniforms = torch.rand(
-            batch, k + 1, dtype=torch.float64, generator=metadata.generator, device=device
-        )
-    ids = draft_token_ids.to(torch.int64)
+        uniforms = draw_uniforms_like(batch, k + 1, metadata.generator, device)
+    # The verifier's probabilities set the device (drafts may arrive on the CPU).
+    ids = draft_token_ids.to(device=device, dtype=torch.int64)
+    draft_probs, uniforms = draft_probs.to(device), uniforms.to(device)
     q_n = target_probs[:, :k].gather(-1, ids[..., None])[..., 0]  # [B, K]
     p_n = draft_probs.gather(-1, ids[..., None])[..., 0]  # [B, K]
     if metadata.rule == "tas":
         return _accept_typical(target_probs, ids, q_n, uniforms[:, k], metadata)
 
     delta = torch.as_tensor(metadata.delta, dtype=torch.float64, device=device).expand(batch)
+    budget = metadata.divergence_budget
     h_n = adjusted_target_mass(
-        q_n, delta[:, None].expand(batch, k), metadata.rule, metadata.divergence_budget
+        q_n,
+        delta[:, None].expand(batch, k),
+        metadata.rule,
+        None if budget is None else budget.to(device),
     )
     # p_n = 0 means reject: the draft could not have sampled n (spec). No division.
     accepted = (p_n > 0) & (uniforms[:, :k] * p_n.to(torch.float64) < h_n)

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels import validation
 from kernels.metadata import AcceptMetadata, AcceptResult
+from kernels.sampling import draw_uniforms_like
 
 RULE_CODES = {"sps": 0, "cactus": 1, "cactus_exact": 2, "tas": 3}
 BLOCK_V = 1024
@@ -41,23 +42,23 @@ def speculative_accept_triton(
     device = target_probs.device
     uniforms = metadata.uniforms  # [B, K + 1] float64
     if uniforms is None:
-        uniforms = torch.rand(
-            batch, k + 1, dtype=torch.float64, generator=metadata.generator, device=device
-        )
+        uniforms = draw_uniforms_like(batch, k + 1, metadata.generator, device)
     threshold = metadata.tas_threshold
     alpha = math.sqrt(threshold) if metadata.tas_alpha is None else metadata.tas_alpha
     delta = torch.as_tensor(metadata.delta, dtype=torch.float64, device=device)
     delta = delta.expand(batch).contiguous()  # [B]
     has_budget = metadata.divergence_budget is not None
-    budget = (metadata.divergence_budget if has_budget else delta).to(torch.float64).contiguous()
+    budget = metadata.divergence_budget if has_budget else delta
+    budget = budget.to(device=device, dtype=torch.float64).contiguous()
     out = torch.empty(batch, k + 1, dtype=torch.int64, device=device)
     num = torch.empty(batch, dtype=torch.int64, device=device)
     div = torch.empty(batch, dtype=torch.float64, device=device)
     accept_kernel[(batch,)](
-        draft_token_ids.to(torch.int64).contiguous(),
-        draft_probs.float().contiguous(),
+        # every pointer on the verifier's device (drafts may arrive on the CPU)
+        draft_token_ids.to(device=device, dtype=torch.int64).contiguous(),
+        draft_probs.to(device=device, dtype=torch.float32).contiguous(),
         target_probs.float().contiguous(),
-        uniforms.to(torch.float64).contiguous(),
+        uniforms.to(device=device, dtype=torch.float64).contiguous(),
         delta,
         budget,
         out,

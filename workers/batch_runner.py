@@ -339,7 +339,7 @@ class BatchRunner(LoadedModel):
         token_ids = [list(t) for t in token_ids]
         rows = self._rows_for(list(seq_ids), token_ids, logits)
         if not any(token_ids):
-            return [torch.empty(0, self.vocab_size) for _ in rows]
+            return [torch.empty(0, self.vocab_size, device=self.device) for _ in rows]
         step, ids, pos = self._step(rows, token_ids)
         keep = self._keep(step, logits)  # [B, Q]
         # The LM head sees only the positions some row needs: a 1-D index keeps the

@@ -294,10 +294,10 @@ class SpeculativeEngine:
         )
         t2 = time.perf_counter()
         result, target = self._accept(running, ks, blocks, logits)  # accept
-        t3 = time.perf_counter()
-        outputs = result.output_token_ids.tolist()
+        outputs = result.output_token_ids.tolist()  # (on CUDA: waits for the kernel)
         accepted = result.num_accepted.tolist()
         divergence = result.divergence_nats.tolist()
+        t3 = time.perf_counter()
         logprobs = _logprobs(running, ks, outputs, accepted, target)
         rows = [self._policy_row(s, fixed=ks[i]) for i, s in enumerate(running)]
         predicted = [expected[s.id] if k else 1.0 for s, k in zip(running, ks, strict=True)]
@@ -386,11 +386,16 @@ class SpeculativeEngine:
             s.request.sampling for s, k in zip(running, ks, strict=True) for _ in range(k + 1)
         ]
         target = processed_rows(torch.cat([x[:, :vocab] for x in logits]), params)
-        draft_ids = torch.tensor([t for b in drafted for t in b.token_ids], dtype=torch.long)
+        # Everything the kernel meets lives on the verifier's device (drafts arrive on
+        # the CPU from the wire, uniforms come from CPU generators).
+        device = target.device
+        draft_ids = torch.tensor(
+            [t for b in drafted for t in b.token_ids], dtype=torch.long, device=device
+        )
         draft_probs = (
-            torch.cat([b.probs[:, :vocab] for b in drafted])
+            torch.cat([b.probs[:, :vocab] for b in drafted]).to(device)
             if drafted
-            else torch.empty(0, vocab, dtype=torch.float32)
+            else torch.empty(0, vocab, dtype=torch.float32, device=device)
         )
         specs = [s.request.speculation for s in running]
         budgets = [
@@ -402,10 +407,12 @@ class SpeculativeEngine:
         metadata = RaggedMetadata(
             num_draft_tokens=tuple(ks),
             rules=tuple(sp.rule if sp.rule != "none" else "sps" for sp in specs),
-            delta=torch.tensor([sp.delta for sp in specs], dtype=torch.float64),
+            delta=torch.tensor([sp.delta for sp in specs], dtype=torch.float64, device=device),
             tas_threshold=tuple(sp.tas_threshold for sp in specs),
-            divergence_budget=torch.tensor(budgets, dtype=torch.float64),
-            uniforms=padded_uniforms([s.generator for s in running], [k + 1 for k in ks]),
+            divergence_budget=torch.tensor(budgets, dtype=torch.float64, device=device),
+            uniforms=padded_uniforms(
+                [s.generator for s in running], [k + 1 for k in ks], device=device
+            ),
         )
         return ragged_accept(draft_ids, draft_probs, target, metadata), target
 

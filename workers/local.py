@@ -89,7 +89,9 @@ class LocalDrafter:
             p = processed_rows(
                 torch.cat([logits[i] for i in active]), [reqs[i].sampling for i in active]
             )  # [A, V]
-            u = padded_uniforms([reqs[i].generator for i in active], [1] * len(active))
+            u = padded_uniforms(
+                [reqs[i].generator for i in active], [1] * len(active), device=p.device
+            )
             picked = inverse_cdf_sample(p, u[:, 0]).tolist()
             feeds = [[] for _ in rows]
             for a, i in enumerate(active):

@@ -38,6 +38,12 @@ class LoadedModel:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.config = AutoConfig.from_pretrained(self.path)
+        if model is not None:
+            # A model handed in (a DeepSpeed shard) is not moved: it must already be on
+            # this device, or every forward would mix devices.
+            on = next(model.parameters()).device
+            if on.type != self.device.type:
+                raise ValueError(f"device: the model is on {on}, the runner on {self.device}")
         self.model = (
             model
             if model is not None
@@ -87,7 +93,7 @@ class ModelRunner(LoadedModel):
         """Append tokens to the sequence; return float32 logits [n, V] at those positions."""
         seq = self._seqs[seq_id]
         if not token_ids:
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size, device=self.device)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(seq.length, seq.length + len(token_ids), device=self.device)
         out = self.model(

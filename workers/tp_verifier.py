@@ -123,6 +123,28 @@ def follow(runner: BatchRunner) -> int:
             applied += 1
 
 
+def rank_environment(rank: int, world_size: int, master_port: int, device: str) -> dict:
+    """The variables torch.distributed and DeepSpeed read in a rank's process.
+
+    On CUDA, Ray gives each rank actor its own GPU (`resources.verifier_rank.num_gpus`
+    >= 1, checked by the config) and hides the others (CUDA_VISIBLE_DEVICES), so the
+    rank's device is index 0 of what it sees: DeepSpeed calls
+    `torch.cuda.set_device(LOCAL_RANK)`, and LOCAL_RANK = rank would name a GPU the
+    actor cannot see. DeepSpeed's accelerator follows the device: the environment's
+    default is `cpu` (cactus.environment), which on a GPU rank would leave the shard on
+    the CPU and give NCCL CPU tensors."""
+    cuda = device.startswith("cuda")
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": "0" if cuda else str(rank),
+        "LOCAL_SIZE": str(world_size),  # the shm op segfaults unless this equals the world
+        "DS_ACCELERATOR": "cuda" if cuda else "cpu",  # read at DeepSpeed's first import
+    }
+
+
 def init_rank(
     *,
     rank: int,
@@ -137,16 +159,7 @@ def init_rank(
     kv_budget_tokens: int | None = None,
 ) -> BatchRunner:
     """Join the process group and load this rank's shard of the verifier."""
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(master_port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_SIZE": str(world_size),  # the shm op segfaults unless this equals the world
-        }
-    )
+    os.environ.update(rank_environment(rank, world_size, master_port, device))
     torch.set_num_threads(threads)
     rows = {"max_num_seqs": max_num_seqs, "kv_budget_tokens": kv_budget_tokens}
     if world_size == 1:
@@ -156,6 +169,8 @@ def init_rank(
     if not shm_allreduce:
         # Import by string: `import deepspeed.comm.torch as x` binds the wrong module.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if device.startswith("cuda"):
+        torch.cuda.set_device(0)  # the one GPU Ray gave this actor (rank_environment)
     deepspeed.init_distributed(dist_backend="nccl" if device.startswith("cuda") else "gloo")
     from transformers import AutoModelForCausalLM
 

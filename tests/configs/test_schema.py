@@ -53,6 +53,24 @@ def test_cluster_example_is_multi_node():
         ({"resources": {"draft": {"resources": {"x": True}}}}, "resources.draft.resources.x"),
         ({"grpc_port": 70000}, "grpc_port"),
         ({"models": {"dtype": "int8"}}, "models.dtype"),
+        ({"models": {"device": "gpu"}}, "models.device"),
+        # on CUDA each TP rank reserves whole GPUs of its own, and the draft some GPU
+        (
+            {"models": {"device": "cuda"}, "resources": {"draft": {"num_gpus": 0.5}}},
+            "resources.verifier_rank.num_gpus",
+        ),
+        (
+            {
+                "models": {"device": "cuda"},
+                "tp_size": 2,
+                "resources": {"draft": {"num_gpus": 0.5}, "verifier_rank": {"num_gpus": 0.5}},
+            },
+            "resources.verifier_rank.num_gpus",
+        ),
+        (
+            {"models": {"device": "cuda"}, "resources": {"verifier_rank": {"num_gpus": 1}}},
+            "resources.draft.num_gpus",
+        ),
         ({"sampling": {"default_temperature": float("nan")}}, "sampling.default_temperature"),
         ({"batching": {"max_num_seqs": 0}}, "batching.max_num_seqs"),
         ({"batching": {"max_num_batched_tokens": -1}}, "batching.max_num_batched_tokens"),
@@ -82,3 +100,15 @@ def test_every_field_is_described():
     rows = config_rows()
     assert len(rows) > 40 and all(description for _, description, _ in rows)
     assert ("grpc_port", rows[[r[0] for r in rows].index("grpc_port")][1], "9000") in rows
+
+
+def test_one_gpu_can_hold_a_lone_rank_and_the_draft():
+    """TP = 1 has no NCCL group: the rank and the draft may share one GPU."""
+    config = from_dict(
+        {
+            "models": {"device": "cuda"},
+            "tp_size": 1,
+            "resources": {"draft": {"num_gpus": 0.25}, "verifier_rank": {"num_gpus": 0.75}},
+        }
+    )
+    assert config.resources.verifier_rank.num_gpus == 0.75

@@ -525,6 +525,42 @@ def _kill(server, role: str) -> float:
     return started
 
 
+@contextlib.contextmanager
+def killer(ray_address: str):
+    """A process already connected to the server's Ray cluster that kills an engine
+    actor by role as soon as asked (`kill("draft")`), without _kill's seconds of
+    connecting per kill."""
+    code = (
+        "import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False);"
+        "print('READY', flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    role = line.strip()\n"
+        "    names = [e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
+        " if e['namespace'] == 'cactus' and e['name'].endswith('-' + role)]\n"
+        "    assert len(names) == 1, names\n"
+        "    ray.kill(ray.get_actor(names[0], namespace='cactus')); print('KILLED', flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, ray_address],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def kill(role: str) -> None:
+        proc.stdin.write(role + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "KILLED", role
+
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        yield kill
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
 def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     server, embedded_engine, heldout_prompts
 ):

@@ -274,3 +274,17 @@ def test_shutdown_leaves_no_actors_or_shm(ray_session):
             ray.get(getattr(actor, method).remote(), timeout=30)
     shm = os.path.dirname(SHM_PREFIX)
     assert not [n for n in os.listdir(shm) if n.startswith(os.path.basename(SHM_PREFIX))]
+
+
+def test_a_gpu_rank_uses_the_one_gpu_ray_gave_it_and_deepspeeds_cuda_accelerator():
+    """On CUDA each rank actor sees only its own GPU (Ray's CUDA_VISIBLE_DEVICES), so
+    DeepSpeed's set_device(LOCAL_RANK) must get 0, not the rank; and DeepSpeed's
+    accelerator must be CUDA although the project's environment defaults it to cpu."""
+    from workers.tp_verifier import rank_environment
+
+    gpu = rank_environment(3, 4, 29500, "cuda")
+    assert gpu["LOCAL_RANK"] == "0" and gpu["RANK"] == "3" and gpu["WORLD_SIZE"] == "4"
+    assert gpu["DS_ACCELERATOR"] == "cuda"
+    cpu = rank_environment(3, 4, 29500, "cpu")
+    assert cpu["LOCAL_RANK"] == "3" and cpu["DS_ACCELERATOR"] == "cpu"
+    assert cpu["MASTER_PORT"] == "29500" and cpu["LOCAL_SIZE"] == "4"

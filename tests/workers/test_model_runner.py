@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import embedded_dirs
 from tests.tiny_models import FAMILIES
 from workers.model_runner import ModelRunner
 
@@ -52,3 +53,16 @@ def test_rollback_bounds(tiny_checkpoints):
     runner.rollback("s", 0)
     assert runner.length("s") == 3
     assert runner.forward("s", []).shape == (0, runner.vocab_size)
+
+
+def test_a_model_handed_in_must_already_be_on_the_runners_device():
+    """A DeepSpeed shard is handed to the runner, not moved by it: one left on another
+    device (DeepSpeed's CPU accelerator on a GPU rank) is a clear error, not a forward
+    that mixes devices."""
+    from workers.model_runner import LoadedModel
+
+    verifier, _ = embedded_dirs()
+    cpu = LoadedModel(verifier)
+    with pytest.raises(ValueError, match="device: the model is on cpu"):
+        LoadedModel(verifier, device="meta", model=cpu.model)
+    assert LoadedModel(verifier, model=cpu.model).model is cpu.model
