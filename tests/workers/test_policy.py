@@ -286,9 +286,9 @@ def test_the_policy_decides_before_the_steps_draws_and_probabilities(goodput_eng
         events.append("score")
         return real_score(rows)
 
-    def uniforms(gens, counts):
+    def uniforms(gens, counts, **kw):
         events.append("uniforms")
-        return real_uniforms(gens, counts)
+        return real_uniforms(gens, counts, **kw)
 
     monkeypatch.setattr(engine.policy, "plan", plan)
     monkeypatch.setattr(engine.drafter, "propose", propose)
