@@ -36,7 +36,7 @@ from kernels.sampling import (
     SAMPLE_BLOCK,
     block_columns,
     block_sums,
-    draw_uniforms_like,
+    draw_uniforms,
     inverse_cdf_sample,
     sample_from_blocks,
 )
@@ -96,7 +96,10 @@ def _accept_torch(
     device = target_probs.device
     uniforms = metadata.uniforms  # [B, K + 1] float64
     if uniforms is None:
-        uniforms = draw_uniforms_like(batch, k + 1, metadata.generator, device)
+        # drawn on the generator's own device (a CPU generator cannot fill CUDA memory);
+        # the same values as torch.rand(batch, k + 1) from it
+        uniforms = draw_uniforms([metadata.generator], batch * (k + 1), device=device)
+        uniforms = uniforms.view(batch, k + 1)
     # The verifier's probabilities set the device (drafts may arrive on the CPU).
     ids = draft_token_ids.to(device=device, dtype=torch.int64)
     draft_probs, uniforms = draft_probs.to(device), uniforms.to(device)

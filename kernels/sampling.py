@@ -129,16 +129,6 @@ def draw_uniforms(
     return torch.stack(rows).to(device)
 
 
-def draw_uniforms_like(
-    rows: int, columns: int, generator: torch.Generator | None, device
-) -> torch.Tensor:  # [rows, columns] float64 in [0, 1), on `device`
-    """One block of uniforms from one generator (None: torch's default), drawn on the
-    generator's own device (a CPU generator cannot fill a CUDA tensor) and then moved."""
-    gen_device = _gen_device(generator, device)
-    block = torch.rand(rows, columns, dtype=torch.float64, generator=generator, device=gen_device)
-    return block.to(device)
-
-
 def _gen_device(generator: torch.Generator | None, default) -> torch.device | str:
     return generator.device if generator is not None else default
 

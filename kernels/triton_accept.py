@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels import validation
 from kernels.metadata import AcceptMetadata, AcceptResult
-from kernels.sampling import draw_uniforms_like
+from kernels.sampling import draw_uniforms
 
 RULE_CODES = {"sps": 0, "cactus": 1, "cactus_exact": 2, "tas": 3}
 BLOCK_V = 1024
@@ -42,7 +42,10 @@ def speculative_accept_triton(
     device = target_probs.device
     uniforms = metadata.uniforms  # [B, K + 1] float64
     if uniforms is None:
-        uniforms = draw_uniforms_like(batch, k + 1, metadata.generator, device)
+        # drawn on the generator's own device (a CPU generator cannot fill CUDA memory);
+        # the same values as torch.rand(batch, k + 1) from it
+        uniforms = draw_uniforms([metadata.generator], batch * (k + 1), device=device)
+        uniforms = uniforms.view(batch, k + 1)
     threshold = metadata.tas_threshold
     alpha = math.sqrt(threshold) if metadata.tas_alpha is None else metadata.tas_alpha
     delta = torch.as_tensor(metadata.delta, dtype=torch.float64, device=device)

@@ -126,8 +126,8 @@ def follow(runner: BatchRunner) -> int:
 def rank_environment(rank: int, world_size: int, master_port: int, device: str) -> dict:
     """The variables torch.distributed and DeepSpeed read in a rank's process.
 
-    On CUDA, Ray gives each rank actor its own GPU (`resources.verifier_rank.num_gpus`
-    >= 1, checked by the config) and hides the others (CUDA_VISIBLE_DEVICES), so the
+    On CUDA, Ray gives each rank actor its own GPU (with TP > 1 the config requires
+    whole `resources.verifier_rank.num_gpus`) and hides the others (CUDA_VISIBLE_DEVICES), so the
     rank's device is index 0 of what it sees: DeepSpeed calls
     `torch.cuda.set_device(LOCAL_RANK)`, and LOCAL_RANK = rank would name a GPU the
     actor cannot see. DeepSpeed's accelerator follows the device: the environment's
