@@ -83,20 +83,22 @@ bench: setup
 	$(PY) -m benchmarks.run $(if $(QUICK),--quick,)
 
 CONFIG ?= configs/default.yaml
-PORT ?= 9000
-# Serve the embedded models: local Ray head on loopback, gRPC on $(PORT) (every interface:
-# Ray Serve's gRPC proxy cannot bind one), OpenAI HTTP on 127.0.0.1 (config http_host).
+# The gRPC port: PORT= if given, else the config's grpc_port (9000 in the shipped configs).
+GRPC_PORT = $(or $(PORT),$(shell $(PY) -c 'from configs.schema import load_config; print(load_config("$(CONFIG)").grpc_port)' 2>/dev/null),9000)
+# Serve the embedded models: local Ray head on loopback, gRPC on the config's grpc_port or
+# PORT (every interface: Ray Serve's gRPC proxy cannot bind one), OpenAI HTTP on
+# 127.0.0.1 (config http_host, http_port or HTTP_PORT).
 # Ctrl-C shuts everything down; `make stop` stops a detached run.
 serve: setup
-	$(PY) -m deployments.serve --config $(CONFIG) --port $(PORT) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
+	$(PY) -m deployments.serve --config $(CONFIG) $(if $(PORT),--port $(PORT),) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
 
-# Stops the server on PORT (one pid file per gRPC port).
+# Stops the server on GRPC_PORT (one pid file per gRPC port).
 stop:
-	@pid=$(CACHE)/serve-$(PORT).pid; \
+	@pid=$(CACHE)/serve-$(GRPC_PORT).pid; \
 	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null; then kill -INT $$(cat $$pid); \
 	  while kill -0 $$(cat $$pid 2>/dev/null) 2>/dev/null; do sleep 1; done; \
-	  echo "stopped the server on port $(PORT)"; \
-	else rm -f $$pid; echo "no server running on port $(PORT)"; fi
+	  echo "stopped the server on port $(GRPC_PORT)"; \
+	else rm -f $$pid; echo "no server running on port $(GRPC_PORT)"; fi
 
 PROMPT ?= def fibonacci(n):
 generate: setup

@@ -108,7 +108,9 @@ class AuthConfig(_Model):
 class LimitsConfig(_Model):
     max_ongoing_requests: Int = doc("requests a replica works on at once", 8)
     max_queued_requests: Int = doc(
-        "requests waiting per deployment; beyond: RESOURCE_EXHAUSTED", 32
+        "requests waiting per caller (each Serve proxy or handle, so per node with "
+        "proxy_location EveryNode); beyond: RESOURCE_EXHAUSTED",
+        32,
     )
     max_prompt_chars: Int = doc("longest text prompt accepted", 100_000)
     max_message_bytes: Int = doc("gRPC receive limit, sized to the longest prompt", 4 << 20)
@@ -310,6 +312,9 @@ def validate(c: ServeConfig) -> None:
         "must be >= -1 (-1 = unbounded)",
     )
     _check(lim.max_message_bytes >= 1024, "limits.max_message_bytes", "must be >= 1024")
+    _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1")
+    _check(lim.request_timeout_s >= 0, "limits.request_timeout_s", "must be >= 0 (0 = no limit)")
+    _check(lim.start_timeout_s > 0, "limits.start_timeout_s", "must be > 0")
     b = c.batching
     _check(b.max_num_seqs >= 1, "batching.max_num_seqs", "must be >= 1")
     _check(b.max_num_batched_tokens >= 1, "batching.max_num_batched_tokens", "must be >= 1")
@@ -332,6 +337,10 @@ def validate(c: ServeConfig) -> None:
         "must satisfy 1 <= min_replicas <= max_replicas",
     )
     _check(a.target_ongoing_requests > 0, "autoscaling.target_ongoing_requests", "must be > 0")
+    for name in ("upscale_delay_s", "downscale_delay_s"):
+        _check(getattr(a, name) >= 0, f"autoscaling.{name}", "must be >= 0")
+    for name in ("metrics_interval_s", "look_back_period_s"):
+        _check(getattr(a, name) > 0, f"autoscaling.{name}", "must be > 0")
     _check(0 < c.grpc_port < 65536, "grpc_port", f"must be a TCP port, got {c.grpc_port}")
     _check(0 < c.http_port < 65536, "http_port", f"must be a TCP port, got {c.http_port}")
     _check(c.http_port != c.grpc_port, "http_port", "must differ from grpc_port")
@@ -341,6 +350,21 @@ def validate(c: ServeConfig) -> None:
         "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD",
     )
     _check(c.resources.threads_per_actor >= 1, "resources.threads_per_actor", "must be >= 1")
+    for actor in ("replica", "draft", "verifier_rank"):
+        res = getattr(c.resources, actor)
+        _check(
+            res.num_cpus >= 0, f"resources.{actor}.num_cpus", f"must be >= 0, got {res.num_cpus}"
+        )
+        _check(
+            res.num_gpus >= 0, f"resources.{actor}.num_gpus", f"must be >= 0, got {res.num_gpus}"
+        )
+        for key, amount in res.resources.items():
+            _check(
+                amount >= 0 and key not in ("CPU", "GPU", "memory"),
+                f"resources.{actor}.resources.{key}",
+                f"must be a custom resource with an amount >= 0, got {amount}"
+                + (" (use num_cpus / num_gpus)" if key in ("CPU", "GPU") else ""),
+            )
 
 
 # ---- the README's config table, generated from the field descriptions ---------------

@@ -204,6 +204,13 @@ class CactusIngress:
         self.metrics = ServiceMetrics()
         self._engine_seen: dict = {}
         self.started = int(time.time())
+        listeners = getattr(self.engine, "listeners", None)
+        if listeners is not None:  # the supervisor: its state and restarts, when they change
+            listeners.append(self._engine_changed)
+            self._engine_changed()
+
+    def _engine_changed(self) -> None:
+        self.metrics.engine(self.engine.stats(), self._engine_seen)
 
     def _start_engine(self):
         import ray
@@ -397,7 +404,7 @@ class CactusIngress:
         alive = getattr(self.engine, "alive", None)
         if alive is not None:
             stats = self.engine.stats()
-            self.metrics.engine(stats, self._engine_seen)
+            self.metrics.engine(stats, self._engine_seen)  # also set on every change
             if not alive():
                 raise RuntimeError(f"engine failed: {stats}")
         elif not await self.engine.ahealthy():

@@ -31,6 +31,7 @@ from http import HTTPStatus
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus.errors import InvalidRequestError, is_unavailable, unwrap
 from cactus.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, SpeculationParams
@@ -53,6 +54,7 @@ _TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_error",
     500: "server_error",
@@ -162,6 +164,21 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequestError("stream_options", "must be an object")
+    if body.get("stream") not in (None, True, False):  # "false" must not start a stream
+        raise InvalidRequestError("stream", f"must be true or false, got {body['stream']!r}")
+
+
+def as_sent(err: InvalidRequestError, body: dict, chat: bool) -> InvalidRequestError:
+    """The shared validator names the engine's fields (max_tokens, prompt,
+    prompt_token_ids); a 400 names the field the client sent."""
+    field = err.field
+    if chat and field == "max_tokens" and body.get("max_completion_tokens") is not None:
+        field = "max_completion_tokens"
+    elif chat and field in ("prompt", "prompt_token_ids"):
+        field = "messages"
+    elif not chat and field == "prompt_token_ids":
+        field = "prompt"
+    return err if field == err.field else InvalidRequestError(field, err.reason)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -444,24 +461,49 @@ def build_routes(ingress, tokenize, logger):
             logger.error("request %s failed", request_id, exc_info=unwrap(err))
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        """Unknown routes and methods: OpenAI-shaped too (404, 405), not FastAPI's."""
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        return JSONResponse(
+            OpenAIError(err.status_code, message).body(),
+            status_code=err.status_code,
+            headers=getattr(err, "headers", None),
+        )
+
+    def model_card() -> dict:
+        return {
+            "id": ingress.model_name,
+            "object": "model",
+            "created": ingress.started,
+            "owned_by": "cactus",
+            "max_model_len": ingress.info["max_context"],
+        }
+
     @app.get("/v1/models")
     async def models(request: Request):
         try:
             ingress.authorize(request.headers.get("authorization", ""))
         except Exception as err:
             return fail(err, "")
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": ingress.model_name,
-                    "object": "model",
-                    "created": ingress.started,
-                    "owned_by": "cactus",
-                    "max_model_len": ingress.info["max_context"],
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        """What `client.models.retrieve(name)` calls."""
+        try:
+            ingress.authorize(request.headers.get("authorization", ""))
+            if model != ingress.model_name:
+                raise OpenAIError(
+                    404,
+                    f"the model {model!r} does not exist here; GET /v1/models lists "
+                    f"{ingress.model_name!r}",
+                    param="model",
+                    code="model_not_found",
+                )
+        except Exception as err:
+            return fail(err, "")
+        return model_card()
 
     async def generate(http: Request, chat: bool):
         import asyncio
@@ -490,7 +532,10 @@ def build_routes(ingress, tokenize, logger):
                 prompt = {"prompt_token_ids": tuple(chat_prompt_ids(body, ingress.tokenizer))}
             else:
                 prompt = completion_prompt(body)
-            req = tokenize(replace(base, **prompt), ingress.tokenizer, ingress.limits)
+            try:
+                req = tokenize(replace(base, **prompt), ingress.tokenizer, ingress.limits)
+            except InvalidRequestError as err:
+                raise as_sent(err, body, chat) from None
             shape = Shape(chat, ingress.model_name, req.request_id, ingress.tokenizer)
             if not body.get("stream"):
                 with ingress.metrics.running():

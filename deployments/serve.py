@@ -65,15 +65,17 @@ def main(argv=None) -> int:
 
     from deployments.app import build_app, start_serve
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     ray.init(
         num_cpus=args.num_cpus,
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
     )
+    # After ray.init, which replaces a driver's SIGTERM handler with sys.exit: SIGTERM
+    # (docker stop, Kubernetes, systemd) must drain as Ctrl-C and `make stop` do.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         start = time.monotonic()
         start_serve(config)

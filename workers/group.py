@@ -8,6 +8,7 @@ Callers talk to rank 0: `generate`, `stream`, `cancel`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import uuid
@@ -252,19 +253,32 @@ class EngineGroup:
             yield ray.get(ref)
 
     async def agenerate(self, request):
-        return await self.rank0.generate.remote(request)
+        """A caller that is cancelled (its client went away or its deadline passed)
+        cancels the request on rank 0: awaiting a Ray call does not stop it there."""
+        try:
+            return await self.rank0.generate.remote(request)
+        except asyncio.CancelledError:
+            self.cancel(request.request_id)
+            raise
 
     async def astream(self, request):
-        """Async iteration of GenerationChunk objects (for the Serve ingress)."""
-        async for ref in self.rank0.stream.options(num_returns="streaming").remote(request):
-            yield await ref
+        """Async iteration of GenerationChunk objects (for the Serve ingress); a caller
+        that stops early (cancelled, or closing the iterator) cancels it on rank 0."""
+        finished = False
+        try:
+            async for ref in self.rank0.stream.options(num_returns="streaming").remote(request):
+                chunk = await ref
+                finished = chunk.result is not None
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                self.cancel(request.request_id)
+            raise
 
     def model_info(self) -> dict:
         return ray.get(self.rank0.model_info.remote())
 
     async def ahealthy(self, timeout_s: float = 10.0) -> bool:
-        import asyncio
-
         try:
             await asyncio.wait_for(
                 asyncio.gather(self.draft.status.remote(), *[r.ping.remote() for r in self.ranks]),

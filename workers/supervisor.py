@@ -31,7 +31,12 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from cactus.errors import WorkerUnavailableError, is_engine_failure, unwrap
+from cactus.errors import (
+    InvalidRequestError,
+    WorkerUnavailableError,
+    is_engine_failure,
+    unwrap,
+)
 from cactus.params import GenerationRequest
 from workers.request import GenerationChunk, GenerationResult, derived_seed
 
@@ -67,6 +72,16 @@ class EngineSupervisor:
         self._replacing_draft: asyncio.Task | None = None
         self._inner: dict[str, str] = {}  # request id -> the id of its current attempt
         self._info = group.model_info()
+        # called on every change of state or restart counter (the replica's metrics
+        # follow at once rather than at Serve's next health check)
+        self.listeners: list = []
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            try:
+                listener()
+            except Exception:
+                logger.exception("a supervisor listener failed")
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -111,6 +126,7 @@ class EngineSupervisor:
     async def _replace_draft(self) -> None:
         self.degraded_since = time.monotonic()
         self.counters["draft_restarts"] += 1
+        self._changed()
         try:
             for attempt in range(self.config.restart_attempts):
                 try:
@@ -135,10 +151,12 @@ class EngineSupervisor:
         self.state = RECOVERING
         self._ready.clear()
         self._recovery = asyncio.get_running_loop().create_task(self._restart_ranks())
+        self._changed()
 
     async def _restart_ranks(self) -> None:
         start = time.monotonic()
         self.counters["rank_restarts"] += 1
+        self._changed()
         for attempt in range(self.config.restart_attempts):
             try:
                 await asyncio.to_thread(self.group.restart_ranks)
@@ -147,12 +165,14 @@ class EngineSupervisor:
                 self.last_recovery_s = time.monotonic() - start
                 logger.warning("engine restarted in %.1f s", self.last_recovery_s)
                 self._ready.set()
+                self._changed()
                 return
             except Exception:
                 logger.exception("gang restart failed (attempt %d)", attempt + 1)
                 await asyncio.sleep(min(8.0, 0.5 * 2**attempt))
         self.state = FAILED  # Serve's health check now replaces the replica
         self._ready.set()
+        self._changed()
 
     async def _wait_ready(self, deadline: float | None) -> int:
         """The engine generation to run on, once it serves; UNAVAILABLE if it does not
@@ -185,7 +205,7 @@ class EngineSupervisor:
 
     def cancel(self, request_id: str) -> None:
         inner = self._inner.get(request_id)
-        if inner is not None:
+        if inner:  # "" while between attempts
             self.group.cancel(inner)
 
     def stats(self) -> dict:
@@ -196,50 +216,67 @@ class EngineSupervisor:
             **self.counters,
         }
 
+    def _claim(self, request_id: str) -> None:
+        """A request id names one running request: a second one with the id would take
+        over the first's cancellation (the engine refuses it anyway). Held from the
+        first attempt to the end, across the waits for a restart."""
+        if request_id in self._inner:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self._inner[request_id] = ""  # no attempt running yet: nothing to cancel
+
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Unary: nothing was sent, so a failed attempt runs again from the start with
         the same seed (the result is the one an uninterrupted run gives)."""
-        request = _with_seed(request)
-        deadline = _deadline(request)
-        attempt = 0
-        while True:
-            generation = await self._wait_ready(deadline)
-            inner = _attempt(request, attempt, deadline)
-            self._inner[request.request_id] = inner.request_id
-            try:
-                result = await self.group.agenerate(inner)
-                return _as_original(result, request, attempt)
-            except Exception as err:
-                attempt = self._failed_attempt(err, generation, attempt, request)
-            finally:
-                self._inner.pop(request.request_id, None)
+        self._claim(request.request_id)
+        try:
+            request = _with_seed(request)
+            deadline = _deadline(request)
+            attempt = 0
+            while True:
+                generation = await self._wait_ready(deadline)
+                inner = _attempt(request, attempt, deadline)
+                self._inner[request.request_id] = inner.request_id
+                try:
+                    result = await self.group.agenerate(inner)
+                    return _as_original(result, request, attempt)
+                except Exception as err:
+                    self._inner[request.request_id] = ""
+                    attempt = self._failed_attempt(err, generation, attempt, request)
+        finally:
+            self._inner.pop(request.request_id, None)
 
     async def astream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Streaming: resume after the last token sent (same request, fresh seed)."""
-        request = _with_seed(request)
-        deadline = _deadline(request)
-        sent: list[int] = []
-        sent_chars = 0
-        stats = None  # the statistics as of the last chunk sent
-        attempt = 0
-        while True:
-            generation = await self._wait_ready(deadline)
-            inner = _attempt(request, attempt, deadline, sent, sent_chars, stats)
-            self._inner[request.request_id] = inner.request_id
-            try:
-                async for chunk in self.group.astream(inner):
-                    sent += chunk.token_ids
-                    sent_chars += len(chunk.text)
-                    stats = chunk.stats or stats
-                    result = chunk.result
-                    if result is not None:
-                        result = _as_original(result, request, attempt)
-                    yield replace(chunk, request_id=request.request_id, result=result)
-                return
-            except Exception as err:
-                attempt = self._failed_attempt(err, generation, attempt, request)
-            finally:
-                self._inner.pop(request.request_id, None)
+        self._claim(request.request_id)
+        try:
+            request = _with_seed(request)
+            deadline = _deadline(request)
+            sent: list[int] = []
+            sent_chars = 0
+            stats = None  # the statistics as of the last chunk sent
+            attempt = 0
+            while True:
+                generation = await self._wait_ready(deadline)
+                inner = _attempt(request, attempt, deadline, sent, sent_chars, stats)
+                self._inner[request.request_id] = inner.request_id
+                try:
+                    # closed with this generator: a stream the caller leaves is cancelled
+                    # on rank 0 at once (EngineGroup.astream), not when it is collected
+                    async with contextlib.aclosing(self.group.astream(inner)) as chunks:
+                        async for chunk in chunks:
+                            sent += chunk.token_ids
+                            sent_chars += len(chunk.text)
+                            stats = chunk.stats or stats
+                            result = chunk.result
+                            if result is not None:
+                                result = _as_original(result, request, attempt)
+                            yield replace(chunk, request_id=request.request_id, result=result)
+                    return
+                except Exception as err:
+                    self._inner[request.request_id] = ""
+                    attempt = self._failed_attempt(err, generation, attempt, request)
+        finally:
+            self._inner.pop(request.request_id, None)
 
     def _failed_attempt(self, err, generation: int, attempt: int, request) -> int:
         """Re-raise what is not an engine failure; else start recovery and count the

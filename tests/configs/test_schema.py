@@ -77,6 +77,18 @@ def test_cluster_example_is_multi_node():
         ({"batching": {"kv_budget_tokens": 10}}, "batching.kv_budget_tokens"),
         ({"batching": {"batch_wait_ms": -2.0}}, "batching.batch_wait_ms"),
         ({"batching": {"max_num_seq": 4}}, "batching.max_num_seq"),
+        # ranges the types alone do not express (a negative timeout reached Serve as is)
+        ({"limits": {"request_timeout_s": -1.0}}, "limits.request_timeout_s"),
+        ({"limits": {"start_timeout_s": 0.0}}, "limits.start_timeout_s"),
+        ({"limits": {"max_prompt_chars": 0}}, "limits.max_prompt_chars"),
+        ({"resources": {"draft": {"num_cpus": -0.5}}}, "resources.draft.num_cpus"),
+        ({"resources": {"verifier_rank": {"num_gpus": -1.0}}}, "resources.verifier_rank.num_gpus"),
+        ({"resources": {"replica": {"resources": {"x": -1.0}}}}, "resources.replica.resources.x"),
+        ({"resources": {"draft": {"resources": {"CPU": 1.0}}}}, "resources.draft.resources.CPU"),
+        ({"autoscaling": {"upscale_delay_s": -1.0}}, "autoscaling.upscale_delay_s"),
+        ({"autoscaling": {"downscale_delay_s": -5.0}}, "autoscaling.downscale_delay_s"),
+        ({"autoscaling": {"metrics_interval_s": 0.0}}, "autoscaling.metrics_interval_s"),
+        ({"autoscaling": {"look_back_period_s": 0.0}}, "autoscaling.look_back_period_s"),
     ],
 )
 def test_bad_config_names_the_key_path(raw, path):

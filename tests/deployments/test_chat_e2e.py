@@ -107,7 +107,8 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     stream). One greedy SSE stream on this TP = 1 server (default goodput policy) while
     the draft actor and then rank 0 are killed: it ends without an error event, its text
     is the verifier's uninterrupted greedy text, and the chunk with the finish_reason
-    says it was degraded and resumed."""
+    says it was degraded and resumed. A unary request sent right after the rank kill
+    waits for the restart and is served."""
     import httpx2
 
     base_url, _, ray_address = chat_server
@@ -157,8 +158,15 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
             time.sleep(0.05)
         assert reader.is_alive(), "the stream ended before rank 0 was killed"
         kill("rank0")
+        # a request that arrives while the ranks restart waits for them and is served
+        late: list = []
+        arrival = threading.Thread(target=lambda: late.append(_complete(base_url, "def g():")))
+        arrival.start()
         reader.join(timeout=300)
+        arrival.join(timeout=300)
     assert not reader.is_alive()
+    assert late and late[0].status_code == 200, late
+    assert late[0].json()["choices"][0]["finish_reason"] == "length", late[0].text
     lines = [line for line in raw if line]
     assert lines[0] == "200" and lines[-1] == "data: [DONE]", lines[-3:]
     assert not any("error" in e for e in events), [e for e in events if "error" in e]
@@ -168,9 +176,16 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     stats = final[0]["cactus"]
     assert stats["draft_failures"] >= 1 and stats["degraded"] and stats["resumed"] >= 1, stats
     # and the server serves the next request normally
-    with httpx2.Client(timeout=120) as http:
-        reply = http.post(
-            f"{base_url}/completions",
-            json={"model": "verifier", "prompt": "def f():", "max_tokens": 4},
-        )
+    reply = _complete(base_url, "def f():")
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+def _complete(base_url: str, prompt: str):
+    """One unary 4-token completion over HTTP."""
+    import httpx2
+
+    with httpx2.Client(timeout=120) as http:
+        return http.post(
+            f"{base_url}/completions",
+            json={"model": "verifier", "prompt": prompt, "max_tokens": 4},
+        )

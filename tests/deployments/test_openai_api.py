@@ -147,6 +147,9 @@ def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
         ({"prompt": "x", "logit_bias": {"17": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "stream": "false"}, 400, "stream"),  # a string must not stream
+        ({"prompt": [10**9]}, 400, "prompt"),  # token ids: named as sent, not prompt_token_ids
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ],
 )
 def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param):
@@ -213,10 +216,16 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event(ray_
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": "yes"}, "logprobs"),
+        # the shared validator checks max_tokens and the prompt; a 400 names what was sent
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "def f(x): " * 3000}]}, "messages"),
     ],
 )
-def test_chat_logprob_fields_are_named_as_sent(ray_session, extra, param):
-    _, app = _app()
+def test_chat_fields_are_named_as_sent(ray_session, extra, param):
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     body = {"messages": [{"role": "user", "content": "hi"}], **extra}
     reply = _raw(
         app, "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
@@ -247,3 +256,23 @@ def test_an_http_stream_is_counted_in_the_latency_and_running_metrics(ray_sessio
     # latency, two inter-token latencies taken while the stream counted as running
     assert seen == [("first", 0), ("next", 1), ("next", 1)], seen
     assert shim.metrics._running == 0
+
+
+def test_a_model_is_retrieved_by_name_and_unknown_routes_are_openai_shaped(ray_session):
+    """`client.models.retrieve` (GET /v1/models/{id}) answers the served model and 404
+    `model_not_found` for another; an unknown route or method gets the OpenAI error
+    shape, not FastAPI's `{"detail": ...}`."""
+    shim, app = _app(auth={"token": TOKEN})
+    client = _client(app)
+    card = asyncio.run(client.models.retrieve(shim.model_name))
+    assert card.id == shim.model_name and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        asyncio.run(client.models.retrieve("gpt-4"))
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    assert _raw(app, "GET", f"/v1/models/{shim.model_name}").status_code == 401  # needs the token
+    for method, path, status in (("GET", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)):
+        reply = _raw(app, method, path, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
+        assert error["type"] == "invalid_request_error"

@@ -62,6 +62,22 @@ class Server:
         )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
+    def decode_steps(self) -> int:
+        """Decode steps rank 0's engine has run since it started."""
+        code = (
+            f"import ray; ray.init(address={self.ray_address!r}, log_to_driver=False);"
+            "from workers.group import NAMESPACE;"
+            "names = [e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
+            " if e['namespace'] == NAMESPACE and e['name'].endswith('-rank0')];"
+            "assert len(names) == 1, names;"
+            "actor = ray.get_actor(names[0], namespace=NAMESPACE);"
+            "print(ray.get(actor.timings.remote(), timeout=30)['steps'])"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+        )
+        return int(out.stdout.strip().splitlines()[-1])
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -315,14 +331,55 @@ def _assert_caches_freed(server, within_s: float = 60.0) -> None:
     assert counts and all(v == 0 for engine in counts.values() for v in engine.values()), counts
 
 
-def test_cancel_mid_stream_frees_the_caches(server):
+# Cancelled requests decode plainly (one token a step), greedily, from a prompt whose
+# greedy text has no EOS for CANCEL_TOKENS / 2 tokens, so freed caches after fewer steps
+# prove the cancellation reached the engine however fast this machine decodes (uncancelled,
+# the request frees its rows only after that many steps).
+CANCEL_TOKENS = 900
+CANCEL_KW = {"max_tokens": CANCEL_TOKENS, "temperature": 0.0, "rule": "none"}
+
+
+@pytest.fixture(scope="module")
+def long_prompt(embedded_engine, heldout_prompts) -> str:
+    prompt = heldout_prompts[9]
+    greedy = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=CANCEL_TOKENS // 2, temperature=0.0),
+            speculation=SpeculationParams(rule="sps"),  # greedy: the verifier's tokens
+        )
+    )
+    assert greedy.finish_reason == "LENGTH", greedy.finish_reason
+    return prompt
+
+
+def _assert_stopped_early(server, steps_before: int) -> None:
+    """The request's rows are freed, and rank 0 ran far fewer steps than it needed."""
+    _assert_caches_freed(server)
+    steps = server.decode_steps() - steps_before
+    assert steps < CANCEL_TOKENS // 2, f"{steps} steps: the cancelled request ran on"
+
+
+def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
     client = server.client()
-    stream = client.stream("class Foo:", max_tokens=400, seed=5, temperature=1.0)
+    before = server.decode_steps()
+    stream = client.stream(long_prompt, **CANCEL_KW)
     for i, _chunk in enumerate(stream):
         if i == 2:
             client.last_call.cancel()
             break
-    _assert_caches_freed(server)
+    _assert_stopped_early(server, before)
+
+
+def test_a_unary_call_past_its_deadline_frees_its_request(server, long_prompt):
+    """A unary Generate whose client gives up (its deadline passes; a cancel is the
+    same RPC event) stops in the engine too."""
+    client = server.client(retry=NO_RETRY)
+    before = server.decode_steps()
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(long_prompt, timeout=3.0, **CANCEL_KW)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+    _assert_stopped_early(server, before)
 
 
 def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_prompts):
@@ -485,15 +542,16 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
     assert chat_err is not None and "chat template" in str(chat_err)
 
 
-def test_an_http_client_that_goes_away_frees_its_request(server):
+def test_an_http_client_that_goes_away_frees_its_request(server, long_prompt):
     import httpx2
 
+    before = server.decode_steps()
     with (
         httpx2.Client(timeout=120) as http,
         http.stream(
             "POST",
             f"{server.base_url}/completions",
-            json={"prompt": "class Foo:", "max_tokens": 400, "temperature": 1.0, "stream": True},
+            json={"prompt": long_prompt, "stream": True, **CANCEL_KW},
             headers={"Authorization": f"Bearer {TOKEN}"},
         ) as reply,
     ):
@@ -503,7 +561,21 @@ def test_an_http_client_that_goes_away_frees_its_request(server):
             lines += line.startswith("data: ")
             if lines == 3:
                 break  # leave with the stream open: the connection is closed
-    _assert_caches_freed(server)
+    _assert_stopped_early(server, before)
+
+
+def test_an_http_unary_client_that_gives_up_frees_its_request(server, long_prompt):
+    """A non-streamed completion whose client times out (the connection closes)."""
+    import httpx2
+
+    before = server.decode_steps()
+    with pytest.raises(httpx2.ReadTimeout), httpx2.Client(timeout=3.0) as http:
+        http.post(
+            f"{server.base_url}/completions",
+            json={"prompt": long_prompt, **CANCEL_KW},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+    _assert_stopped_early(server, before)
 
 
 def _kill(server, role: str) -> float:
@@ -742,10 +814,12 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server):
 
 
 def test_stopping_the_server_drains_its_running_streams(server):
-    """Runs last: it stops the module's server. SIGINT (what `make stop` and Ctrl-C
-    send) while a stream runs: the stream still ends normally with every token, a
-    request that arrives meanwhile gets a clear status at once, and the process exits
-    0 (README: scale-down and shutdown drain)."""
+    """Runs last: it stops the module's server. SIGTERM (what docker stop, Kubernetes
+    and systemd send; `make stop` and Ctrl-C send SIGINT, which every other server of
+    these tests is stopped with) while a stream runs: the stream still ends normally
+    with every token, a request that arrives meanwhile gets a clear status at once, and
+    the process exits 0 (README: scale-down and shutdown drain). ray.init replaces a
+    driver's SIGTERM handler with sys.exit(15), which cut the stream before."""
     client = server.client()
     kw = {"max_tokens": 300, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
     chunks: list = []
@@ -761,7 +835,7 @@ def test_stopping_the_server_drains_its_running_streams(server):
     reader.start()
     while not chunks and reader.is_alive():
         time.sleep(0.05)
-    server.proc.send_signal(signal.SIGINT)
+    server.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     late = None
     started = time.monotonic()

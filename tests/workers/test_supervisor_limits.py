@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cactus.errors import EngineFailedError, WorkerUnavailableError
+from cactus.errors import EngineFailedError, InvalidRequestError, WorkerUnavailableError
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from workers.request import GenerationResult, SpecStats
 from workers.supervisor import EngineSupervisor, RecoveryConfig
@@ -131,3 +131,65 @@ def test_after_the_restart_attempts_the_replica_reports_itself_unhealthy(ray_ses
         return await sup.ahealthy()
 
     assert asyncio.run(run()) is False
+
+
+def test_the_engine_metrics_follow_the_supervisor_between_health_checks(ray_session):
+    """`cactus_engine_serving` is 0 while the ranks restart and the restart is counted
+    when it starts, without waiting for Serve's health check (every 10 s: a rank
+    restart takes about 7 s, so a scrape would have missed it)."""
+    from types import SimpleNamespace
+
+    from tests.deployments.test_ingress import _shim
+
+    async def run():
+        group = FlakyGroup(fail=1, restart_s=0.3)
+        sup = EngineSupervisor(group, _config())
+        shim = _shim(sup)
+        served, restarts = [], []
+        shim.metrics.engine_serving = SimpleNamespace(set=served.append)
+        shim.metrics.engine_restarts = SimpleNamespace(
+            inc=lambda n, tags: restarts.append((n, tags["actor"]))
+        )
+        result = await sup.agenerate(_req("r"))  # a rank dies once: restart, resume
+        return result, served, restarts
+
+    result, served, restarts = asyncio.run(run())
+    assert result.text == "ok" and result.stats.resumed == 1
+    # RECOVERING (0) when the failure is seen and when the restart starts, then 1
+    assert served[0] == 0 and served[-1] == 1 and set(served) == {0, 1}, served
+    assert restarts == [(1, "ranks")]
+
+
+def test_a_second_request_with_a_running_id_is_refused_and_the_first_stays_cancellable():
+    """A client may set request_id. A second request with the id of a running one is
+    refused (INVALID_ARGUMENT on the wire) without taking over the first's entry: the
+    first can still be cancelled, and its id is free again once it ends."""
+
+    class SlowGroup(FlakyGroup):
+        def __init__(self) -> None:
+            super().__init__(fail=0)
+            self.cancelled: list[str] = []
+
+        async def agenerate(self, request):
+            await asyncio.sleep(0.3)
+            return await super().agenerate(request)
+
+        def cancel(self, request_id) -> None:
+            self.cancelled.append(request_id)
+
+    async def run():
+        group = SlowGroup()
+        sup = EngineSupervisor(group, _config())
+        first = asyncio.create_task(sup.agenerate(_req("same")))
+        await asyncio.sleep(0.05)
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            await sup.agenerate(_req("same"))
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            await anext(sup.astream(_req("same")))
+        sup.cancel("same")  # reaches the first request's running attempt
+        assert len(group.cancelled) == 1 and group.cancelled[0].startswith("same")
+        await first
+        again = await sup.agenerate(_req("same"))  # the id is free once the first ended
+        return again
+
+    assert asyncio.run(run()).text == "ok"
