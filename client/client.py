@@ -55,6 +55,15 @@ class _Attempts:
     def left_s(self) -> float:
         return max(0.001, self.deadline - time.monotonic())
 
+    def bound(self, msg: pb.GenerateRequest, own_limit_s: float) -> pb.GenerateRequest:
+        """The request with a server-side time limit no later than this call's deadline,
+        unless the caller set its own: the engine then ends a request whose client gave
+        up even if the cancel is lost on the way (Ray Serve 2.60's gRPC proxy loses one
+        that lands while it writes a chunk; README, "Errors and limits")."""
+        if not own_limit_s:
+            msg.time_limit_s = self.left_s()
+        return msg
+
     def wait_after(self, err: grpc.RpcError) -> float | None:
         """Seconds to wait before retrying `err`, or None to raise it."""
         self.made += 1
@@ -147,10 +156,13 @@ class CactusClient(_Client):
 
     def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         msg = self.request(prompt, **kw)
+        own = msg.time_limit_s
         attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
         while True:
             try:
-                reply = self.stub.Generate(msg, timeout=attempts.left_s(), metadata=self.metadata)
+                reply = self.stub.Generate(
+                    attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+                )
                 self.last_attempts = attempts.made + 1
                 return reply
             except grpc.RpcError as err:
@@ -166,9 +178,12 @@ class CactusClient(_Client):
         """Iterate response chunks; the current call is kept on `last_call` (to cancel
         it). Retried only until the first chunk arrives."""
         msg = self.request(prompt, **kw)
+        own = msg.time_limit_s
         attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
         while True:
-            call = self.stub.GenerateStream(msg, timeout=attempts.left_s(), metadata=self.metadata)
+            call = self.stub.GenerateStream(
+                attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+            )
             self.last_call = call
             try:
                 first = next(call)
@@ -211,11 +226,12 @@ class AsyncCactusClient(_Client):
 
     async def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         msg = self.request(prompt, **kw)
+        own = msg.time_limit_s
         attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
         while True:
             try:
                 reply = await self.stub.Generate(
-                    msg, timeout=attempts.left_s(), metadata=self.metadata
+                    attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
                 )
                 self.last_attempts = attempts.made + 1
                 return reply
@@ -232,9 +248,12 @@ class AsyncCactusClient(_Client):
         """Async-iterate response chunks; retried only until the first chunk arrives.
         Leaving the loop early (break, cancellation) cancels the call."""
         msg = self.request(prompt, **kw)
+        own = msg.time_limit_s
         attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
         while True:
-            call = self.stub.GenerateStream(msg, timeout=attempts.left_s(), metadata=self.metadata)
+            call = self.stub.GenerateStream(
+                attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+            )
             self.last_call = call
             try:
                 try:

@@ -307,9 +307,9 @@ def validate(c: ServeConfig) -> None:
     lim = c.limits
     _check(lim.max_ongoing_requests >= 1, "limits.max_ongoing_requests", "must be >= 1")
     _check(
-        lim.max_queued_requests >= -1,
+        lim.max_queued_requests >= 1,
         "limits.max_queued_requests",
-        "must be >= -1 (-1 = unbounded)",
+        "must be >= 1 (the queue is always bounded: beyond it RESOURCE_EXHAUSTED)",
     )
     _check(lim.max_message_bytes >= 1024, "limits.max_message_bytes", "must be >= 1024")
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1")

@@ -7,9 +7,10 @@
 The request bodies follow OpenAI's API as vLLM serves it: `max_tokens`, `temperature`,
 `top_p`, `seed`, `stop`, `n` (1 only), `stream` (server-sent events ending in
 `data: [DONE]`), `stream_options.include_usage`, plus vLLM's `top_k` and this project's
-extras (`rule`, `delta`, `num_speculative_tokens`, `max_divergence_nats`), which an
-OpenAI client passes as `extra_body`. Responses add a `cactus` object with the
-speculation statistics and `divergence_nats`. Validation is the gRPC path's (one
+extras (`rule`, `delta`, `num_speculative_tokens`, `max_divergence_nats`,
+`time_limit_s`) and vLLM's `stop_token_ids`, which an OpenAI client passes as
+`extra_body`. Responses add a `cactus` object with the seed used, the speculation
+statistics and `divergence_nats`. Validation is the gRPC path's (one
 validator: cactus.params.validate_request); errors are OpenAI-shaped,
 `{"error": {"message", "type", "param", "code"}}`, with the matching HTTP status. The
 same bearer token as gRPC (`Authorization: Bearer ...`). A client that goes away
@@ -76,6 +77,8 @@ _COMMON = {
     "delta",
     "num_speculative_tokens",
     "max_divergence_nats",
+    "time_limit_s",  # this project's: ends the request with finish_reason "length"
+    "stop_token_ids",  # vLLM's
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
@@ -139,6 +142,17 @@ def _stop(body: dict) -> tuple[str, ...]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return tuple(stop)
     raise InvalidRequestError("stop", "must be a string or a list of strings")
+
+
+def _token_ids(body: dict, name: str) -> tuple[int, ...]:
+    ids = body.get(name)
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise InvalidRequestError(name, "must be a list of token ids")
+    return tuple(ids)
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -216,6 +230,7 @@ def to_request(
         top_k=_number(body, "top_k", 0, integer=True),
         seed=seed,
         stop=_stop(body),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
         logprobs=_logprobs(body, chat),
     )
     rule = body.get("rule", sp.default_rule)
@@ -236,6 +251,7 @@ def to_request(
         sampling=sampling,
         speculation=speculation,
         request_id=f"cmpl-{secrets.token_hex(12)}",
+        time_limit_s=_number(body, "time_limit_s", None),
     )
 
 
@@ -277,13 +293,18 @@ def completion_prompt(body: dict) -> dict:
 # ---- responses --------------------------------------------------------------------------
 
 
-def cactus_stats(request: GenerationRequest, stats) -> dict:
+def cactus_stats(request: GenerationRequest, result) -> dict:
+    """The `cactus` extension of a response: the seed used (so a sampled request can be
+    repeated) and the speculation statistics, as the gRPC API gives them."""
+    stats = result.stats
     return {
         "rule": request.speculation.rule,
         "delta": request.speculation.delta,
+        "seed": result.seed,
         "num_drafts": stats.num_drafts,
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
+        "accepted_per_position": list(stats.accepted_per_position),
         "mean_acceptance_length": stats.mean_acceptance_length,
         "acceptance_rate": stats.acceptance_rate,
         "divergence_nats": stats.divergence_nats,
@@ -378,7 +399,7 @@ class Shape:
             }
         out = self._envelope(self.object, [choice])
         out["usage"] = usage(result)
-        out["cactus"] = cactus_stats(request, result.stats)
+        out["cactus"] = cactus_stats(request, result)
         out["system_fingerprint"] = None
         return out
 
@@ -395,7 +416,7 @@ class Shape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = self._envelope(obj, [])
         out["usage"] = usage(result)
-        out["cactus"] = cactus_stats(request, result.stats)
+        out["cactus"] = cactus_stats(request, result)
         return out
 
 
@@ -426,7 +447,7 @@ async def sse_events(
                 if chunk.result is not None:
                     finish = FINISH.get(chunk.result.finish_reason, "stop")
                     event = shape.delta(chunk.text, finish, first=is_first, logprobs=chunk.logprobs)
-                    event["cactus"] = cactus_stats(request, chunk.result.stats)
+                    event["cactus"] = cactus_stats(request, chunk.result)
                     yield _sse(event)
                     if include_usage:
                         yield _sse(shape.usage_chunk(request, chunk.result))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 BATCH_BOUNDS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128]
+ROUND_TRIP_BOUNDS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0]
 
 
 class EngineMetrics:
@@ -41,10 +42,18 @@ class EngineMetrics:
             description="tokens the decode steps emitted (accepted + 1 per row), by rule",
             tag_keys=("rule",),
         )
+        self.round_trip = metrics.Histogram(
+            "cactus_draft_round_trip_s",
+            boundaries=ROUND_TRIP_BOUNDS,
+            description="draft<->verifier ProposeBatch round trips, send to reply (seconds)",
+        )
         self.steps = 0
 
     def record(self, engine, batch_size: int) -> None:
         self.steps += 1
+        take = getattr(engine.drafter, "take_round_trips", None)  # a remote drafter
+        for seconds in take() if take is not None else ():
+            self.round_trip.observe(seconds)
         step = engine.last_step if batch_size else None
         if step is not None:
             self.batch.observe(batch_size)

@@ -73,6 +73,7 @@ class GrpcDrafter:
         self._stub = pb_grpc.SpeculationStub(self._channel)
         self._sessions: dict[str, _ClientSession] = {}
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
+        self.round_trips: list[float] = []  # each one's seconds, until the metrics take them
         self.remote_draft_s = 0.0  # of which the draft side spent drafting
         self.batches = 0  # ProposeBatch calls
         self.prefetched_batches = 0  # of which sent ahead, at the end of a step
@@ -165,7 +166,7 @@ class GrpcDrafter:
             reply = self._result(future)
         except (StaleBlockError, WorkerUnavailableError) as err:
             reply, failure = None, err
-        self.rpc_s += time.perf_counter() - sent_at
+        self._round_trip(time.perf_counter() - sent_at)
         if reply is not None:
             self.remote_draft_s += reply.draft_s
             if len(reply.rows) != len(sent):
@@ -181,6 +182,16 @@ class GrpcDrafter:
                 out[i] = StaleBlockError(f"{row.request_id}: prefetched {sent[j].k}, asked {row.k}")
             else:
                 out[i] = self._row(row, reply.rows[j])
+
+    def _round_trip(self, seconds: float) -> None:
+        self.rpc_s += seconds
+        if len(self.round_trips) < 4096:  # bounded if nothing takes them
+            self.round_trips.append(seconds)
+
+    def take_round_trips(self) -> list[float]:
+        """The round trips since the last call (rank 0's metrics observe them)."""
+        taken, self.round_trips = self.round_trips, []
+        return taken
 
     def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
         """Every row's block: the prefetched ones, then one ProposeBatch for the rest;
@@ -215,7 +226,7 @@ class GrpcDrafter:
             for i in sent:
                 out[i] = err
             return out
-        self.rpc_s += time.perf_counter() - start
+        self._round_trip(time.perf_counter() - start)
         self.remote_draft_s += reply.draft_s
         if len(reply.rows) != len(msgs):
             raise WorkerUnavailableError(f"draft actor answered {len(reply.rows)} of {len(msgs)}")

@@ -57,7 +57,14 @@ def test_models_completions_and_extras_with_the_official_client(ray_session):
             temperature=0.5,
             seed=7,
             stop=["\n\n"],
-            extra_body={"rule": "sps", "delta": 0.0, "top_k": 20, "num_speculative_tokens": 3},
+            extra_body={
+                "rule": "sps",
+                "delta": 0.0,
+                "top_k": 20,
+                "num_speculative_tokens": 3,
+                "stop_token_ids": [5, 9],
+                "time_limit_s": 30.0,
+            },
         )
         return model, reply
 
@@ -65,8 +72,11 @@ def test_models_completions_and_extras_with_the_official_client(ray_session):
     assert model == "verifier"
     assert reply.choices[0].text == "abc" and reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == 3 and reply.model == model
-    assert reply.model_extra["cactus"]["num_accepted_tokens"] == 2
+    cactus = reply.model_extra["cactus"]
+    assert cactus["num_accepted_tokens"] == 2 and isinstance(cactus["seed"], int)
+    assert isinstance(cactus["accepted_per_position"], list)
     req = shim.engine.seen[-1]
+    assert req.sampling.stop_token_ids == (5, 9) and req.time_limit_s == 30.0
     assert req.sampling.max_tokens == 5 and req.sampling.seed == 7 and req.sampling.top_k == 20
     assert req.sampling.stop == ("\n\n",) and req.speculation.rule == "sps"
     assert req.speculation.num_speculative_tokens == 3 and req.prompt_token_ids
@@ -150,6 +160,9 @@ def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
         ({"prompt": "x", "stream": "false"}, 400, "stream"),  # a string must not stream
         ({"prompt": [10**9]}, 400, "prompt"),  # token ids: named as sent, not prompt_token_ids
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+        ({"prompt": "x", "time_limit_s": -1}, 400, "time_limit_s"),
     ],
 )
 def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param):
