@@ -294,15 +294,18 @@ class CactusIngress:
         except asyncio.CancelledError:
             if req is not None:
                 self.engine.cancel(req.request_id)
+                self.metrics.ended(req, "CANCELLED")
             raise
         except Exception as err:
+            if req is not None:
+                self.metrics.ended(req, "ERROR")
             self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             return pb.GenerateResponse()
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
         start = time.monotonic()
         req = None
-        done = False
+        done = failed = False
         try:
             req = self._prepare(request, grpc_context)
             first = True
@@ -329,12 +332,17 @@ class CactusIngress:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as err:
+            if req is not None:
+                failed = True
+                self.metrics.ended(req, "ERROR")
             code, details = self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             # A streaming method must raise for Serve to send the status it set.
             raise RequestError(code, details) from None
         finally:
             if req is not None and not done:
                 self.engine.cancel(req.request_id)  # client gone: stop within one step
+                if not failed:
+                    self.metrics.ended(req, "CANCELLED")
 
     async def GetModelInfo(self, request, grpc_context=None):
         try:

@@ -119,6 +119,12 @@ class ServiceMetrics:
         while len(self._last) > LAST_TOKEN_ENTRIES:
             self._last.popitem(last=False)
 
+    def ended(self, request, reason: str) -> None:
+        """A request that ended without a result: CANCELLED (its client went away or
+        gave up) or ERROR (a status other than OK after it was accepted)."""
+        self._last.pop(request.request_id, None)
+        self.requests.inc(tags={"finish_reason": reason})
+
     def finished(self, request, result, start: float) -> None:
         rule = {"rule": request.speculation.rule}
         st = result.stats

@@ -431,12 +431,14 @@ async def sse_events(
     cancel,
     on_token=lambda: None,
     running=contextlib.nullcontext,
+    on_end=lambda reason: None,
 ) -> AsyncIterator[str]:
     """Server-sent events from the engine's chunks; `first` was already awaited (so a
     failure before the first token became an HTTP status, not an event). A client
     that goes away cancels the request. As a gRPC stream does (deployments/metrics.py),
     the stream counts as `running` while it lasts, and `on_token` is called for every
-    later chunk with tokens (inter-token latency)."""
+    later chunk with tokens (inter-token latency); `on_end("ERROR" | "CANCELLED")` for a
+    stream that ends without its result."""
     done = False
     try:
         with running():
@@ -463,11 +465,13 @@ async def sse_events(
         yield _sse("[DONE]")
     except Exception as err:  # headers are out: the failure goes in the stream
         done = True
+        on_end("ERROR")
         yield _sse(as_openai_error(err, request.request_id).body())
         yield _sse("[DONE]")
     finally:
         if not done:
             cancel(request.request_id)
+            on_end("CANCELLED")
 
 
 def build_routes(ingress, tokenize, logger):
@@ -578,14 +582,18 @@ def build_routes(ingress, tokenize, logger):
                     cancel=ingress.engine.cancel,
                     on_token=lambda: ingress.metrics.token_latency(req, start, first=False),
                     running=ingress.metrics.running,
+                    on_end=lambda reason: ingress.metrics.ended(req, reason),
                 ),
                 media_type="text/event-stream",
             )
         except asyncio.CancelledError:  # the client went away
             if req is not None:
                 ingress.engine.cancel(req.request_id)
+                ingress.metrics.ended(req, "CANCELLED")
             raise
         except Exception as err:
+            if req is not None:
+                ingress.metrics.ended(req, "ERROR")
             return fail(err, req.request_id if req else "")
 
     @app.post("/v1/completions")

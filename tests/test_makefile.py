@@ -69,3 +69,28 @@ def test_make_stop_stops_only_the_server_on_its_port():
         sleeper.kill()
         pid.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path):
+    """`make serve CONFIG=x.yaml` serves on x.yaml's grpc_port (no --port overriding it),
+    and `make stop CONFIG=x.yaml` stops that server; PORT= overrides both."""
+    config = tmp_path / "x.yaml"
+    config.write_text("grpc_port: 59934\nhttp_port: 59935\n")
+
+    def dry(*args: str) -> str:
+        out = subprocess.run(
+            ["make", "-n", *args, f"CONFIG={config}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=os.environ.copy(),
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    serve = [ln for ln in dry("serve").splitlines() if "deployments.serve" in ln]
+    assert serve and "--port" not in serve[-1], serve
+    assert "serve-59934.pid" in dry("stop")
+    assert "--port 59936" in dry("serve", "PORT=59936")
+    assert "serve-59936.pid" in dry("stop", "PORT=59936")

@@ -4,6 +4,7 @@ test_serve_e2e.py): status mapping, scrubbed details, cancellation, defaults, me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 
 import grpc
@@ -222,3 +223,40 @@ def test_latency_bookkeeping_stays_bounded_when_clients_go_away(ray_session):
         m.token_latency(replace(req, request_id=f"gone-{i}"), 0.0, first=True)
     assert len(m._last) == LAST_TOKEN_ENTRIES
     assert f"gone-{LAST_TOKEN_ENTRIES + 499}" in m._last and "gone-0" not in m._last
+
+
+def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
+    """`cactus_requests{finish_reason}` counts every accepted request: LENGTH etc. when
+    it finishes, ERROR when it fails, CANCELLED when its client leaves; a request
+    refused by validation is not one."""
+    from types import SimpleNamespace
+
+    def counted(engine, run) -> list[str]:
+        shim = _shim(engine)
+        seen: list[str] = []
+        shim.metrics.requests = SimpleNamespace(inc=lambda tags: seen.append(tags["finish_reason"]))
+        asyncio.run(run(shim))
+        return seen
+
+    async def unary(shim):
+        await shim.Generate(CactusClient.request("x"), Ctx())
+
+    async def stream(shim):
+        with contextlib.suppress(Exception):
+            await _collect(shim.GenerateStream(CactusClient.request("x"), Ctx()))
+
+    async def left(shim):
+        agen = shim.GenerateStream(CactusClient.request("x"), Ctx())
+        await agen.__anext__()
+        await agen.aclose()
+
+    async def invalid(shim):
+        await shim.Generate(CactusClient.request("x", temperature=-1.0), Ctx())
+
+    failing = EngineFailedError("rank 1 gone")
+    assert counted(FakeEngine(), unary) == ["LENGTH"]
+    assert counted(FakeEngine(), stream) == ["LENGTH"]
+    assert counted(FakeEngine(fail=failing), unary) == ["ERROR"]
+    assert counted(FakeEngine(fail=failing), stream) == ["ERROR"]
+    assert counted(FakeEngine(), left) == ["CANCELLED"]
+    assert counted(FakeEngine(), invalid) == []

@@ -787,6 +787,10 @@ def _scrape(server) -> dict[str, float]:
         position = re.search(r'position="(\d+)"', name_labels)
         if position:
             name = f"{name}[{position.group(1)}]"
+        reason = re.search(r'finish_reason="(\w+)"', name_labels)
+        if reason:  # also kept per finish reason: name{REASON}
+            key = f"{name}{{{reason.group(1)}}}"
+            samples[key] = samples.get(key, 0.0) + float(value)
         samples[name] = samples.get(name, 0.0) + float(value)
     return samples
 
@@ -827,7 +831,19 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server):
     requests = total("cactus_requests")
     ttft = samples["ray_cactus_time_to_first_token_s_count"]
     assert 3 <= ttft <= requests  # every streamed request with a token, no more
-    assert samples["ray_cactus_e2e_latency_s_count"] == requests
+    # requests that ended without a result are counted by outcome (the cancel tests
+    # above: a gRPC stream, a unary call past its deadline, two HTTP clients)
+    unfinished = {
+        r: sum(
+            v
+            for k, v in samples.items()
+            if k.startswith("ray_cactus_requests") and k.endswith(f"{{{r}}}")
+        )
+        for r in ("CANCELLED", "ERROR")
+    }
+    assert unfinished["CANCELLED"] >= 4, unfinished
+    finished = requests - sum(unfinished.values())
+    assert samples["ray_cactus_e2e_latency_s_count"] == finished
     assert total("cactus_generation_tokens") >= 3 * 16
     assert total("cactus_resumed_requests") >= 1 and total("cactus_draft_failures") >= 1
     assert total("cactus_engine_serving") == 1
