@@ -7,6 +7,13 @@ raise WorkerUnavailableError; the engine then finishes the request without draft
 Every row of an engine step travels in one ProposeBatch with its recorded commits
 piggybacked (one round trip per step); a failed piggybacked commit fails that row,
 which ends drafting for that request only.
+
+Calls that must not block the engine (Open, the prefetched ProposeBatch, Close) are
+blocking calls made on a few long-lived sender threads, not grpc's `.future()`: a
+`.future()` on a channel with no call in flight starts a new polling thread each time,
+which on rank 0 cost about 0.7 ms of the engine loop per call (py-spy, served, 16
+clients) and 0.44 against 0.30 ms of CPU and 0.33 against 0.11 ms of latency per call
+in isolation (benchmarks/results/2026-12-02-vm-distributed.md, "Sender threads").
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +40,8 @@ def _mapped_errors():
     RPC failure -> WorkerUnavailableError (the engine goes on without drafts)."""
     try:
         yield
+    except CancelledError:  # a call the closed client never sent
+        raise WorkerUnavailableError("draft actor: client closed") from None
     except grpc.RpcError as err:
         if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
             raise StaleBlockError(err.details()) from None
@@ -41,7 +51,7 @@ def _mapped_errors():
 @dataclass
 class _ClientSession:
     committed: int
-    opening: grpc.Future | None = None  # the Open call, until it has answered
+    opening: Future | None = None  # the Open call, until it has answered
     applied_seq: int = 0
     pending_seq: int = 0
     unsent: list = field(default_factory=list)  # commits to piggyback on the next Propose
@@ -71,6 +81,8 @@ class GrpcDrafter:
         ]
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.SpeculationStub(self._channel)
+        # Open, the prefetched ProposeBatch and Close run here (module docstring).
+        self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-rpc")
         self._sessions: dict[str, _ClientSession] = {}
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.round_trips: list[float] = []  # each one's seconds, until the metrics take them
@@ -79,16 +91,22 @@ class GrpcDrafter:
         self.prefetched_batches = 0  # of which sent ahead, at the end of a step
         self.pipeline = True  # send the next step's ProposeBatch at the end of a step
         self._prefetch: tuple | None = None  # (rows, future, sent_at): a batch on its way
-        self._closing: set[grpc.Future] = set()  # Close calls not answered yet
 
     def _call(self, method, msg):
         """A blocking call; transport failures mapped to the engine's errors."""
         with _mapped_errors():
             return method(msg, timeout=self.timeout_s)
 
+    def _send(self, method, msg) -> Future:
+        """Start a call on a sender thread; its Future gives the reply or the RpcError."""
+        try:
+            return self._senders.submit(method, msg, timeout=self.timeout_s)
+        except RuntimeError as err:  # closed: as if the draft actor were gone
+            raise WorkerUnavailableError(f"draft actor: client closed ({err})") from None
+
     @staticmethod
-    def _result(future: grpc.Future):
-        """The reply of a call sent with .future(); errors mapped as in _call."""
+    def _result(future: Future):
+        """The reply of a call started with _send; errors mapped as in _call."""
         with _mapped_errors():
             return future.result()
 
@@ -109,7 +127,7 @@ class GrpcDrafter:
             lease_s=self.lease_s,
         )
         self._sessions[request_id] = _ClientSession(
-            committed=len(prompt_ids), opening=self._stub.Open.future(msg, timeout=self.timeout_s)
+            committed=len(prompt_ids), opening=self._send(self._stub.Open, msg)
         )
 
     @staticmethod
@@ -118,7 +136,7 @@ class GrpcDrafter:
         `propose` to report)."""
         opening = session.opening
         if opening is not None:
-            if not opening.done() or opening.exception() is not None:
+            if not opening.done() or opening.cancelled() or opening.exception() is not None:
                 return False
             session.opening = None
         return True
@@ -150,9 +168,7 @@ class GrpcDrafter:
             msgs.append(self._propose_request(row.request_id, session, row.k))
             sent.append(row)
         if msgs:
-            future = self._stub.ProposeBatch.future(
-                pb.ProposeBatchRequest(rows=msgs), timeout=self.timeout_s
-            )
+            future = self._send(self._stub.ProposeBatch, pb.ProposeBatchRequest(rows=msgs))
             self._prefetch = (sent, future, time.perf_counter())
             self.batches += 1
             self.prefetched_batches += 1
@@ -297,10 +313,7 @@ class GrpcDrafter:
 
         def send(_opened=None) -> None:
             with contextlib.suppress(Exception):  # a closed channel: the lease frees it
-                # Held until answered: grpc cancels a call whose future is collected.
-                call = self._stub.Close.future(msg, timeout=self.timeout_s)
-                self._closing.add(call)
-                call.add_done_callback(self._closing.discard)
+                self._send(self._stub.Close, msg)
 
         if session.opening is not None:
             session.opening.add_done_callback(send)
@@ -311,4 +324,5 @@ class GrpcDrafter:
         return self._call(self._stub.Status, pb.StatusRequest())
 
     def close(self) -> None:
+        self._senders.shutdown(wait=False, cancel_futures=True)
         self._channel.close()

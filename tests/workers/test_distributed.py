@@ -19,6 +19,7 @@ from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from tests.conftest import embedded_dirs
 from workers.group import EngineGroup, GroupConfig
 from workers.grpc_drafter import GrpcDrafter
+from workers.interfaces import ProposeRow
 from workers.tp_verifier import SHM_PREFIX
 
 pytestmark = pytest.mark.slow
@@ -169,6 +170,40 @@ def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
     assert client.check(fresh, "proto", 3).token_ids == tuple(fresh.token_ids)
     client.release("proto")
     assert _settled_counts(group)["draft"] == 0
+
+
+def test_the_drafter_client_starts_no_thread_per_call(groups, embedded_engine, monkeypatch):
+    """Open, the prefetched ProposeBatch and Close go through a few long-lived sender
+    threads: grpc's `.future()` started a polling thread for nearly every call (one
+    per engine step on rank 0)."""
+    import threading
+
+    started = []
+    start = threading.Thread.start
+
+    def counting_start(thread):
+        started.append(thread.name)
+        return start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counting_start)
+    group = groups[1]
+    ids = embedded_engine.tokenizer.encode("import os\n")
+    client = GrpcDrafter(group.draft_address, vocab_size=embedded_engine.verifier.vocab_size)
+    try:
+        for i in range(12):
+            rid = f"threads-{i}"
+            client.start(rid, ids, SamplingParams(temperature=1.0), seed=i)
+            client.flush(rid)  # Open has answered: the next prefetch sends this row
+            client.prefetch([ProposeRow(rid, 2)])
+            (block,) = client.propose([ProposeRow(rid, 2)])
+            assert len(block.token_ids) == 2
+            assert client.prefetched_batches == i + 1
+            client.commit(rid, len(ids), 0, block.token_ids[0])
+            client.release(rid)
+        assert _settled_counts(group)["draft_sessions"] == 0  # every Close was sent
+    finally:
+        client.close()
+    assert len(started) <= 4, started  # the sender pool, not one thread per call
 
 
 def test_cancel_frees_caches_on_both_sides(groups, heldout_prompts):
