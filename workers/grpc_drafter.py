@@ -10,10 +10,10 @@ which ends drafting for that request only.
 
 Calls that must not block the engine (Open, the prefetched ProposeBatch, Close) are
 blocking calls made on a few long-lived sender threads, not grpc's `.future()`: a
-`.future()` on a channel with no call in flight starts a new polling thread each time,
-which on rank 0 cost about 0.7 ms of the engine loop per call (py-spy, served, 16
-clients) and 0.44 against 0.30 ms of CPU and 0.33 against 0.11 ms of latency per call
-in isolation (benchmarks/results/2026-12-02-vm-distributed.md, "Sender threads").
+`.future()` on a channel with no call in flight starts a new polling thread each time
+(about 400 threads in 25 s on rank 0 at 8 concurrent requests), and costs 0.44 against
+0.30 ms of CPU and 0.33 against 0.11 ms of latency per call in isolation
+(benchmarks/results/2026-12-02-vm-distributed.md, "Sender threads").
 """
 
 from __future__ import annotations
