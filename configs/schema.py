@@ -114,8 +114,29 @@ class LimitsConfig(_Model):
     )
     max_prompt_chars: Int = doc("longest text prompt accepted", 100_000)
     max_message_bytes: Int = doc("gRPC receive limit, sized to the longest prompt", 4 << 20)
-    request_timeout_s: Float = doc("end-to-end limit the gRPC proxy enforces (0 = none)", 0.0)
+    request_timeout_s: Float = doc(
+        "end-to-end limit on every request (0 = none): gRPC calls end with "
+        "DEADLINE_EXCEEDED, HTTP requests with their tokens so far and finish_reason length",
+        0.0,
+    )
     start_timeout_s: Float = doc("how long a replica may take to start its engine", 300.0)
+
+    def time_limit(self, requested: float | None) -> float | None:
+        """A request's `time_limit_s` under `request_timeout_s` (0 = no ceiling).
+
+        Over gRPC, Ray Serve's proxy ends the call at request_timeout_s
+        (DEADLINE_EXCEEDED) and cancels the replica call; the engine's own limit,
+        counted from a later instant, then stops the request even where the proxy loses
+        that cancel (README, "Cancellation"). Over HTTP, Serve's proxy gets no timeout
+        (its 408 is retried by OpenAI clients, its x-request-timeout-seconds header lets
+        a client lift the limit, and it cuts an SSE stream without an event), so this
+        limit ends the request as `time_limit_s` does: the tokens so far, finish_reason
+        "length"."""
+        if not self.request_timeout_s:
+            return requested
+        return (
+            self.request_timeout_s if requested is None else min(requested, self.request_timeout_s)
+        )
 
 
 class BatchingConfig(_Model):

@@ -102,7 +102,7 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         sampling=sampling,
         speculation=speculation,
         request_id=msg.request_id or f"cactus-{secrets.token_hex(8)}",
-        time_limit_s=msg.time_limit_s or None,
+        time_limit_s=config.limits.time_limit(msg.time_limit_s or None),
     )
 
 

@@ -251,7 +251,7 @@ def to_request(
         sampling=sampling,
         speculation=speculation,
         request_id=f"cmpl-{secrets.token_hex(12)}",
-        time_limit_s=_number(body, "time_limit_s", None),
+        time_limit_s=config.limits.time_limit(_number(body, "time_limit_s", None)),
     )
 
 

@@ -101,6 +101,25 @@ def test_defaults_fill_unset_fields(ray_session):
     assert req.prompt is None and len(req.prompt_token_ids) > 0 and req.request_id
 
 
+def test_the_server_request_timeout_caps_every_time_limit(ray_session):
+    """limits.request_timeout_s is the ceiling of a request's time_limit_s (gRPC and
+    HTTP build requests through the same LimitsConfig.time_limit); 0 leaves it alone."""
+    engine = FakeEngine()
+    shim = _shim(engine, limits={"request_timeout_s": 5.0})
+    for own, want in ((0.0, 5.0), (2.0, 2.0), (30.0, 5.0)):
+        msg = CactusClient.request("def f():")
+        msg.time_limit_s = own
+        asyncio.run(shim.Generate(msg, Ctx()))
+        assert engine.seen[-1].time_limit_s == want, (own, engine.seen[-1].time_limit_s)
+    unlimited = _shim(engine)
+    msg = CactusClient.request("def f():")
+    asyncio.run(unlimited.Generate(msg, Ctx()))
+    assert engine.seen[-1].time_limit_s is None
+    msg.time_limit_s = 7.0
+    asyncio.run(unlimited.Generate(msg, Ctx()))
+    assert engine.seen[-1].time_limit_s == 7.0
+
+
 def test_engine_failures_map_to_status_without_internals(ray_session):
     for err, code in (
         (RuntimeError("Traceback (most recent call last): secret"), grpc.StatusCode.INTERNAL),

@@ -82,6 +82,16 @@ def test_models_completions_and_extras_with_the_official_client(ray_session):
     assert req.speculation.num_speculative_tokens == 3 and req.prompt_token_ids
 
 
+def test_the_server_request_timeout_caps_an_http_time_limit(ray_session):
+    shim, app = _app(limits={"request_timeout_s": 5.0})
+    for extra, want in (({}, 5.0), ({"time_limit_s": 2.0}, 2.0), ({"time_limit_s": 30.0}, 5.0)):
+        body = {"model": "verifier", "prompt": "def f():", "max_tokens": 3, **extra}
+        assert _raw(app, "POST", "/v1/completions", json=body).status_code == 200
+        assert shim.engine.seen[-1].time_limit_s == want, (extra, shim.engine.seen[-1])
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "time_limit_s": -1})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "time_limit_s"
+
+
 def test_streaming_is_sse_ending_in_done_with_usage_when_asked(ray_session):
     _, app = _app()
     client = _client(app)
