@@ -123,6 +123,10 @@ class SpeculativeEngine:
         self.policy = SpeculationPolicy(PolicyConfig(kind=self.scheduler.config.policy))
         self.timing = StepTiming()
         self.last_step: StepRecord | None = None  # the last decode step (metrics read it)
+        # (rule, "requests" | "generated" | "drafted" | "accepted") -> the work of the
+        # requests cancelled since the metrics last took it (they reach no result, so the
+        # replica's counters never see them); bounded by rules x 4 keys
+        self.cancelled_work: Counter = Counter()
         self._left_busy: float | None = None  # when the last step ended with work left
         self._live: dict[str, RequestState] = {}
 
@@ -504,7 +508,18 @@ class SpeculativeEngine:
 
     def _end(self, state: RequestState, error: BaseException) -> None:
         self._close(state)
+        if isinstance(error, RequestCancelledError):
+            rule, st, work = state.request.speculation.rule, state.stats, self.cancelled_work
+            work[rule, "requests"] += 1
+            work[rule, "generated"] += state.num_generated
+            work[rule, "drafted"] += st.num_draft_tokens
+            work[rule, "accepted"] += st.num_accepted_tokens
         state.sink(error)
+
+    def take_cancelled_work(self) -> Counter:
+        """The cancelled requests' work since the last call (EngineMetrics exports it)."""
+        work, self.cancelled_work = self.cancelled_work, Counter()
+        return work
 
     def _time(self, batch: int, draft: float, verify: float, accept: float, book: float) -> None:
         t = self.timing

@@ -2,7 +2,9 @@
 Prometheus with its `ray_` prefix). Names follow vLLM's scheduler gauges
 (num_requests_running / num_requests_waiting) with our `cactus_` prefix; the
 speculation policy's (workers/policy.py) are ours: the k it chose per row, by rule, and
-the tokens it predicted against those the step gave."""
+the tokens it predicted against those the step gave. The work of cancelled requests is
+counted here too: they end without a result, so the replica's per-request counters
+(deployments/metrics.py) never see it."""
 
 from __future__ import annotations
 
@@ -47,6 +49,19 @@ class EngineMetrics:
             boundaries=ROUND_TRIP_BOUNDS,
             description="draft<->verifier ProposeBatch round trips, send to reply (seconds)",
         )
+        self.cancelled = {
+            key: metrics.Counter(
+                name,
+                description=f"{text} of requests cancelled before a result, by rule",
+                tag_keys=("rule",),
+            )
+            for key, name, text in (
+                ("requests", "cactus_cancelled_requests", "count"),
+                ("generated", "cactus_cancelled_generation_tokens", "tokens generated"),
+                ("drafted", "cactus_cancelled_draft_tokens", "drafted tokens"),
+                ("accepted", "cactus_cancelled_accepted_tokens", "accepted drafted tokens"),
+            )
+        }
         self.steps = 0
 
     def record(self, engine, batch_size: int) -> None:
@@ -72,6 +87,9 @@ class EngineMetrics:
             for rule, n in predicted.items():
                 self.predicted.inc(n, tags={"rule": rule})
                 self.realised.inc(realised[rule], tags={"rule": rule})
+        for (rule, key), n in engine.take_cancelled_work().items():
+            if n:
+                self.cancelled[key].inc(n, tags={"rule": rule})
         sched = engine.scheduler
         self.running.set(sched.num_rows)
         self.waiting.set(len(sched.waiting))

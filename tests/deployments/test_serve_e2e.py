@@ -760,6 +760,10 @@ DOCUMENTED_METRICS = [
     "cactus_draft_round_trip_s",
     "cactus_spec_chosen_k",
     "cactus_spec_predicted_tokens",
+    "cactus_cancelled_requests",
+    "cactus_cancelled_generation_tokens",
+    "cactus_cancelled_draft_tokens",
+    "cactus_cancelled_accepted_tokens",
     "cactus_spec_realised_tokens",
 ]
 
@@ -795,13 +799,23 @@ def _scrape(server) -> dict[str, float]:
     return samples
 
 
-def test_every_documented_metric_is_scraped_with_plausible_values(server):
+def test_every_documented_metric_is_scraped_with_plausible_values(server, long_prompt):
     """Runs after the kill test (so the failure counters exist): scrape the running
-    server's Prometheus endpoint, as an operator's Prometheus would."""
+    server's Prometheus endpoint, as an operator's Prometheus would. A unary cactus call
+    cancelled by its deadline puts its work in rank 0's cancelled counters (rank 0 was
+    restarted by the kill test, and a dead process's series may leave the scrape)."""
     client = server.client()
     for i in range(3):
         for _ in client.stream("def h(z):", max_tokens=16, seed=i, temperature=0.8):
             pass
+    with pytest.raises(grpc.RpcError) as err:  # greedy: 450 tokens with no EOS
+        server.client(retry=NO_RETRY).generate(
+            long_prompt,
+            timeout=2.0,
+            time_limit_s=600.0,
+            **{**CANCEL_KW, "rule": "cactus", "delta": 1.0},
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
     deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
     while True:
         samples = _scrape(server)
@@ -845,6 +859,11 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server):
     finished = requests - sum(unfinished.values())
     assert samples["ray_cactus_e2e_latency_s_count"] == finished
     assert total("cactus_generation_tokens") >= 3 * 16
+    # the work of requests cancelled before a result (rank 0's counters, by rule)
+    assert total("cactus_cancelled_requests") >= 1
+    assert total("cactus_cancelled_generation_tokens") >= 1
+    cancelled_drafts = total("cactus_cancelled_draft_tokens")
+    assert 0 < total("cactus_cancelled_accepted_tokens") <= cancelled_drafts
     assert total("cactus_resumed_requests") >= 1 and total("cactus_draft_failures") >= 1
     assert total("cactus_engine_serving") == 1
     trips = samples["ray_cactus_draft_round_trip_s_count"]  # one per ProposeBatch

@@ -132,10 +132,19 @@ def test_cancelling_one_row_frees_it_within_a_step(embedded_engine, heldout_prom
         if step == 3:
             flag["set"] = True
 
+    embedded_engine.take_cancelled_work()  # what earlier tests left
     out = _run_together(
         embedded_engine, reqs, on_step=on_step, cancelled={"c1": lambda: flag["set"]}
     )
     assert isinstance(out["c1"][-1], RequestCancelledError)
+    # its work reaches the engine's cancelled counters (EngineMetrics exports them), the
+    # finished requests' does not (their results carry it)
+    work = embedded_engine.take_cancelled_work()
+    streamed = sum(len(c.token_ids) for c in out["c1"][:-1])
+    assert {key for rule, key in work if rule != "cactus"} == set(), work
+    assert work["cactus", "requests"] == 1 and 0 < streamed <= work["cactus", "generated"] < 40
+    assert 0 < work["cactus", "accepted"] <= work["cactus", "drafted"], work
+    assert not embedded_engine.take_cancelled_work()
     assert rows_after[2] == 4 and rows_after[3] == 3  # freed at the very next step
     for rid in ("c0", "c2", "c3"):
         assert _result(out[rid]).token_ids == solo[rid].token_ids
