@@ -64,7 +64,9 @@ def _client_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens", type=int, default=0, help="0: the server's sampling.default_max_tokens"
+    )
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--stream", action="store_true")
     p.add_argument("--json", action="store_true")

@@ -114,7 +114,7 @@ class CactusClient(_Client):
     def request(
         prompt: str | list[int],
         *,
-        max_tokens: int = 64,
+        max_tokens: int = 0,  # 0 (and every unset field): the server's default
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int = 0,
@@ -176,7 +176,9 @@ class CactusClient(_Client):
         self, prompt, *, timeout: float | None = None, **kw
     ) -> Iterator[pb.GenerateResponse]:
         """Iterate response chunks; the current call is kept on `last_call` (to cancel
-        it). Retried only until the first chunk arrives."""
+        it). Retried only until the first chunk arrives. Leaving the loop early (break,
+        an exception, closing the iterator) cancels the call, as the asyncio client's
+        does: the server stops the request within one engine step."""
         msg = self.request(prompt, **kw)
         own = msg.time_limit_s
         attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
@@ -186,20 +188,24 @@ class CactusClient(_Client):
             )
             self.last_call = call
             try:
-                first = next(call)
-            except StopIteration:
+                try:
+                    first = next(call)
+                except StopIteration:
+                    return
+                except grpc.RpcError as err:
+                    pause = attempts.wait_after(err)
+                    self.last_attempts = attempts.made
+                    if pause is None:
+                        raise
+                    time.sleep(pause)
+                    continue
+                self.last_attempts = attempts.made + 1
+                yield first
+                yield from call  # from here on an error is the caller's: never retried
                 return
-            except grpc.RpcError as err:
-                pause = attempts.wait_after(err)
-                self.last_attempts = attempts.made
-                if pause is None:
-                    raise
-                time.sleep(pause)
-                continue
-            self.last_attempts = attempts.made + 1
-            yield first
-            yield from call  # from here on an error is the caller's: never retried
-            return
+            finally:
+                if not call.done():
+                    call.cancel()
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(

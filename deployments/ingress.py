@@ -305,7 +305,7 @@ class CactusIngress:
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
         start = time.monotonic()
         req = None
-        done = failed = False
+        done = failed = refused = False
         try:
             req = self._prepare(request, grpc_context)
             first = True
@@ -334,12 +334,16 @@ class CactusIngress:
         except Exception as err:
             if req is not None:
                 failed = True
+                # refused before it ran (a request_id already running, a bad field the
+                # engine found): there is nothing of its own to cancel, and a cancel by
+                # id would stop the other request that holds the id
+                refused = isinstance(unwrap(err), InvalidRequestError)
                 self.metrics.ended(req, "ERROR")
             code, details = self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             # A streaming method must raise for Serve to send the status it set.
             raise RequestError(code, details) from None
         finally:
-            if req is not None and not done:
+            if req is not None and not done and not refused:
                 self.engine.cancel(req.request_id)  # client gone: stop within one step
                 if not failed:
                     self.metrics.ended(req, "CANCELLED")

@@ -28,7 +28,7 @@ def _quiet_hf() -> None:
 
 @ray.remote
 class DraftActor:
-    """Hosts the draft model and serves the speculation service on 127.0.0.1."""
+    """Hosts the draft model and serves the speculation service on its node's address."""
 
     def __init__(
         self,
@@ -54,13 +54,17 @@ class DraftActor:
         self.port = 0
 
     async def serve(self, port: int = 0) -> str:
-        """Start the gRPC server (idempotent); returns host:port."""
+        """Start the gRPC server (idempotent); returns host:port. It listens on this
+        node's Ray address (`ray.util.get_node_ip_address()`, the interface the cluster's
+        own traffic uses: 127.0.0.1 for a local head, the host's address on a multi-node
+        cluster, where rank 0 may run on another node), not on every interface."""
         from workers.draft_service import start_server
 
+        host = ray.util.get_node_ip_address()
         if self.server is None:
-            self.server, self.port = await start_server(self.servicer, port=port)
+            self.server, self.port = await start_server(self.servicer, host=host, port=port)
             self._leases = asyncio.get_running_loop().create_task(self.servicer.expire_leases())
-        return f"127.0.0.1:{self.port}"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def status(self) -> dict:
         return {

@@ -70,10 +70,19 @@ def multinode(verifier: str, draft: str, prompt: str) -> dict:
             for res in ("draft_node", "verifier_node"):
                 if node["Alive"] and res in node["Resources"]:
                     by_resource[res] = node["NodeID"]
+        drafts = [
+            ray.get_actor(e["name"], namespace=NAMESPACE)
+            for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == NAMESPACE and e["name"].endswith("-draft")
+        ]
         return {
             "placement": _engine_actor_nodes(),
             "nodes": by_resource,
             "token_ids": list(reply.token_ids),
+            "num_drafts": reply.stats.num_drafts,
+            "draft_failures": reply.stats.draft_failures,
+            "draft_address": ray.get(drafts[0].serve.remote()),
+            "node_ips": {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()},
         }
     finally:
         serve.shutdown()

@@ -47,6 +47,11 @@ def test_draft_and_verifier_on_different_nodes(embedded_engine, heldout_prompts)
         )
     )
     assert got["token_ids"] == list(want.token_ids)
+    # the draft link worked across the nodes (a dead link degrades silently), and the
+    # draft service listens on its node's Ray address, which other nodes reach
+    assert got["num_drafts"] > 0 and got["draft_failures"] == 0, got
+    host = got["draft_address"].rsplit(":", 1)[0].strip("[]")
+    assert host == got["node_ips"][nodes["draft_node"]], got
 
 
 def test_autoscaling_up_under_load_and_back_down():

@@ -92,12 +92,17 @@ async def _collect(agen):
 
 def test_defaults_fill_unset_fields(ray_session):
     engine = FakeEngine()
-    shim = _shim(engine, speculation={"default_rule": "sps", "default_delta": 0.5})
+    shim = _shim(
+        engine,
+        speculation={"default_rule": "sps", "default_delta": 0.5},
+        sampling={"default_max_tokens": 40},
+    )
+    # the client's defaults are "unset" too: the server's defaults apply
     reply = asyncio.run(shim.Generate(CactusClient.request("def f():"), Ctx()))
     req = engine.seen[0]
     assert reply.text == "abc" and reply.stats.num_accepted_tokens == 2
     assert req.speculation.rule == "sps" and req.speculation.delta == 0.5
-    assert req.sampling.max_tokens == 64 and req.sampling.temperature == 1.0
+    assert req.sampling.max_tokens == 40 and req.sampling.temperature == 1.0
     assert req.prompt is None and len(req.prompt_token_ids) > 0 and req.request_id
 
 
@@ -118,6 +123,24 @@ def test_the_server_request_timeout_caps_every_time_limit(ray_session):
     msg.time_limit_s = 7.0
     asyncio.run(unlimited.Generate(msg, Ctx()))
     assert engine.seen[-1].time_limit_s == 7.0
+
+
+def test_a_stream_refused_before_it_runs_cancels_nothing(ray_session):
+    """A refusal (the supervisor's "request_id already running") ends the refused
+    stream only: a cancel by its id would stop the running request that holds it."""
+    from cactus.errors import InvalidRequestError
+
+    class Refusing(FakeEngine):
+        async def astream(self, req):
+            self.seen.append(req)
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already running")
+            yield  # an async generator
+
+    engine = Refusing()
+    shim, ctx = _shim(engine), Ctx()
+    with pytest.raises(Exception, match="already running"):
+        asyncio.run(_collect(shim.GenerateStream(CactusClient.request("def f():"), ctx)))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and engine.cancelled == []
 
 
 def test_engine_failures_map_to_status_without_internals(ray_session):

@@ -382,10 +382,10 @@ def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
     lost = 0
     for _ in range(3):
         before = server.decode_steps()
-        stream = client.stream(long_prompt, time_limit_s=60.0, **CANCEL_KW)
-        for i, _chunk in enumerate(stream):
+        # leaving the loop is the cancel: the blocking client cancels a call whose
+        # iterator is closed (README: the client's stream), as the asyncio one does
+        for i, _chunk in enumerate(client.stream(long_prompt, time_limit_s=60.0, **CANCEL_KW)):
             if i == 2:
-                client.last_call.cancel()
                 break
         if _caches_free(server, within_s=20.0):
             steps = server.decode_steps() - before
@@ -394,6 +394,28 @@ def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
         lost += 1
         _assert_caches_freed(server, within_s=90.0)  # its time limit ends it
     assert lost < 3, "no cancelled stream stopped in the engine"
+
+
+def test_a_stream_with_a_running_request_id_is_refused_and_the_first_runs_on(server, long_prompt):
+    """README: a request_id that names a request still running gets INVALID_ARGUMENT,
+    and the first keeps its id. The refused stream must not cancel the first (a cancel
+    by id on the way out of the refused call stopped it)."""
+    client, second = server.client(), server.client(retry=NO_RETRY)
+    rid = "dup-id-1"
+    # a short time limit: Serve's proxy loses a cancel that lands while it writes a
+    # chunk (README, "Cancellation"), likelier here, where chunks queue while the second
+    # call runs; the limit then ends the first
+    first = client.stream(long_prompt, request_id=rid, time_limit_s=15.0, **CANCEL_KW)
+    got = [next(first) for _ in range(3)]
+    with pytest.raises(grpc.RpcError) as err:
+        list(second.stream("def g():", request_id=rid, max_tokens=4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "request_id" in err.value.details() and "already running" in err.value.details()
+    got += [next(first) for _ in range(30)]  # it goes on (cancelled, it would end)
+    assert all(not chunk.finish_reason for chunk in got)
+    assert len(got) == 33
+    first.close()
+    _assert_caches_freed(server, within_s=60.0)
 
 
 def test_a_unary_call_past_its_deadline_frees_its_request(server, long_prompt):
