@@ -223,7 +223,10 @@ class ServeConfig(_Model):
 
 def load_config(path: str | os.PathLike, overrides: dict | None = None) -> ServeConfig:
     with open(path, encoding="utf-8") as fh:
-        raw = yaml.safe_load(fh) or {}
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:  # a malformed file: where, not a traceback
+            raise ConfigError(f"<file> {path}: not valid YAML: {err}") from None
     if overrides:
         raw = _merge(raw, overrides)
     return from_dict(raw)

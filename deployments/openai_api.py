@@ -60,7 +60,9 @@ _TYPE = {
     503: "server_error",
     500: "server_error",
 }
-# Fields a body may carry. Others get a 400 naming them (a typo must not pass silently).
+# Fields a body may carry. Others get a 400 naming them (a typo must not pass silently),
+# unless their value is null: some OpenAI clients send every field they know, unset ones
+# as null.
 _COMMON = {
     "model",
     "max_tokens",
@@ -158,8 +160,9 @@ def _token_ids(body: dict, name: str) -> tuple[int, ...]:
 def _check_fields(body: dict, allowed: set[str]) -> None:
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
-    for name in body:
-        if name not in allowed:
+    for name, value in body.items():
+        # null is "unset" whatever the name (clients send `"tools": null` and the like)
+        if name not in allowed and value is not None:
             raise InvalidRequestError(name, "unknown field")
     n = body.get("n", 1)
     if n is not None and n != 1:

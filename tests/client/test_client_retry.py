@@ -5,6 +5,7 @@ bounded backoff inside the deadline, never after a streamed token, never other c
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 from concurrent import futures
@@ -26,21 +27,24 @@ class Flaky(pb_grpc.CactusServicer):
     def __init__(self) -> None:
         self.failures, self.code, self.fail_mid_stream = 0, grpc.StatusCode.UNAVAILABLE, False
         self.calls = 0
+        self.limits: list[float] = []  # each call's time_limit_s, as received
         self.lock = threading.Lock()
 
-    def _maybe_fail(self, context) -> None:
+    def _maybe_fail(self, context, request=None) -> None:
         with self.lock:
             self.calls += 1
+            if request is not None:
+                self.limits.append(request.time_limit_s)
             failing = self.calls <= self.failures
         if failing:
             context.abort(self.code, "try again")
 
     def Generate(self, request, context):
-        self._maybe_fail(context)
+        self._maybe_fail(context, request)
         return pb.GenerateResponse(request_id="r", text="ok", token_ids=[1, 2])
 
     def GenerateStream(self, request, context):
-        self._maybe_fail(context)
+        self._maybe_fail(context, request)
         yield pb.GenerateResponse(request_id="r", text="a", token_ids=[1])
         if self.fail_mid_stream:
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine restarting")
@@ -149,3 +153,31 @@ def test_the_default_policy_is_the_documented_one():
             await client.close()
 
     assert asyncio.run(aclient()) == default
+
+
+def test_every_attempt_carries_what_is_left_of_the_deadline_as_its_time_limit(flaky):
+    """README: the clients give every request a server-side time_limit_s equal to what
+    is left of the call's deadline, unless the caller sets one (then it is sent as is)."""
+    servicer, address = flaky
+    servicer.failures = 2
+    client = CactusClient(address, retry=FAST, timeout=10)
+    client.generate("x")
+    first, *later = servicer.limits
+    assert 9.0 < first <= 10.0 and len(later) == 2
+    assert all(a > b for a, b in itertools.pairwise(servicer.limits))  # shrinking
+    servicer.limits.clear()
+    list(client.stream("x", timeout=5))
+    assert len(servicer.limits) == 1 and 4.0 < servicer.limits[0] <= 5.0
+    servicer.limits.clear()
+    client.generate("x", time_limit_s=600.0)
+    assert servicer.limits == [600.0]
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=7)
+        await aclient.generate("x")
+        [c async for c in aclient.stream("x", time_limit_s=3.0)]
+        await aclient.close()
+
+    servicer.limits.clear()
+    asyncio.run(run())
+    assert 6.0 < servicer.limits[0] <= 7.0 and servicer.limits[1] == 3.0

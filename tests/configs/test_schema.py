@@ -125,3 +125,37 @@ def test_one_gpu_can_hold_a_lone_rank_and_the_draft():
         }
     )
     assert config.resources.verifier_rank.num_gpus == 0.75
+
+
+def test_a_malformed_yaml_file_is_a_config_error_naming_the_file(tmp_path):
+    from configs.schema import ConfigError, load_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("models: {verifier: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [("models: {verifier: [unclosed\n", "not valid YAML"), ("tp_size: 0\n", "tp_size")],
+)
+def test_serve_reports_a_bad_config_and_exits_2(tmp_path, text, where):
+    """`make serve CONFIG=bad.yaml`: one line naming what is wrong, exit status 2, no
+    traceback, before anything starts."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("config error:") and where in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -161,6 +161,7 @@ def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
         ({"prompt": "x", "n": 2}, 400, "n"),
         ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
@@ -193,6 +194,17 @@ def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param)
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_null_fields_are_unset_whatever_their_name(ray_session):
+    """Some OpenAI clients send every field they know, the unset ones as null: those
+    pass (a field with a value that this server does not know still gets a 400)."""
+    shim, app = _app()
+    body = {"prompt": "x", "max_tokens": 3, "tools": None, "response_format": None}
+    body |= {"logit_bias": None, "presence_penalty": None, "n": None, "suffix": None}
+    reply = _raw(app, "POST", "/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].sampling.max_tokens == 3
 
 
 def test_auth_and_engine_failures_map_to_statuses(ray_session):

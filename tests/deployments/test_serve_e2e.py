@@ -106,14 +106,16 @@ def server(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(config: dict, folder: Path):
+def serving(config: dict, folder: Path, env: dict | None = None):
     """`python -m deployments.serve` on `config` (as `make serve` runs it): yields the
-    process and its READY line once it serves; stops it with SIGINT, which must exit 0."""
+    process and its READY line once it serves; stops it with SIGINT, which must exit 0.
+    `env`: variables exported to it on top of this process's."""
     path = folder / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.Popen(
         [sys.executable, "-m", "deployments.serve", "--config", str(path)],
         cwd=REPO,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

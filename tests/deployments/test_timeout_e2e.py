@@ -9,6 +9,9 @@ leans on: fewer than MAX_TOKENS tokens in the limit means under MAX_TOKENS / 3 s
 133 tok/s of served plain decoding; this machine does about 40 (22.5 s for 900 tokens,
 measured 2026-12-04), and the engine's in-process greedy check in
 test_chat_e2e asserts this prompt runs MAX_TOKENS tokens without an EOS.
+
+The token comes from CACTUS_AUTH_TOKEN exported to `make serve` (README: an exported
+token protects every replica; the config names none), so this server also checks that.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from workers.tp_verifier import free_port
 pytestmark = pytest.mark.slow
 LIMIT_S = 3.0
 MAX_TOKENS = 400
+TOKEN = "exported-token-42"
 KW = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "rule": "none"}
 
 
@@ -43,7 +47,8 @@ def timeout_server(tmp_path_factory):
         "http_port": http_port,
         "limits": {"request_timeout_s": LIMIT_S},
     }
-    with serving(config, tmp_path_factory.mktemp("timeout")) as (proc, ready):
+    folder = tmp_path_factory.mktemp("timeout")
+    with serving(config, folder, env={"CACTUS_AUTH_TOKEN": TOKEN}) as (proc, ready):
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)
         yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
 
@@ -64,7 +69,7 @@ def test_a_grpc_call_past_the_server_limit_is_deadline_exceeded_and_stops(
     """Unary and streamed: DEADLINE_EXCEEDED at the limit although the client's own
     deadline (120 s) and time_limit_s (600 s) are far off; the engine ran fewer decode
     steps than the request needed and holds no rows afterwards."""
-    client = timeout_server.client(token=None, retry=NO_RETRY)
+    client = timeout_server.client(token=TOKEN, retry=NO_RETRY)
     prompt = heldout_prompts[9]
     for streamed in (False, True):
         before = timeout_server.decode_steps()
@@ -93,7 +98,8 @@ def test_an_http_request_past_the_server_limit_ends_with_length(timeout_server, 
 
     url = timeout_server.base_url + "/completions"
     body = {"model": "verifier", "prompt": heldout_prompts[9], **KW}
-    with httpx2.Client(timeout=120) as http:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx2.Client(timeout=120, headers=auth) as http:
         started = time.monotonic()
         reply = http.post(url, json=body)
         took = time.monotonic() - started
@@ -119,3 +125,45 @@ def test_an_http_request_past_the_server_limit_ends_with_length(timeout_server, 
         assert short["choices"][0]["finish_reason"] == "length", short
         assert time.monotonic() - started < LIMIT_S, "the request's own limit did not win"
     _caches_freed(timeout_server)
+
+
+def test_the_exported_token_guards_both_apis(timeout_server):
+    """No token or a wrong one: UNAUTHENTICATED over gRPC, 401 over HTTP; the right
+    one is served (the tests above)."""
+    import httpx2
+
+    for token in (None, "wrong"):
+        with pytest.raises(grpc.RpcError) as err:
+            timeout_server.client(token=token, retry=NO_RETRY).generate("x", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+    reply = httpx2.post(
+        timeout_server.base_url + "/completions",
+        json={"model": "verifier", "prompt": "x", "max_tokens": 2},
+        headers={"Authorization": "Bearer wrong"},
+        timeout=60,
+    )
+    assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+    assert timeout_server.client(token=TOKEN).health() == "SERVING"
+
+
+def test_http_errors_through_serves_proxy_are_openai_shaped(timeout_server):
+    """The routes' statuses as a client meets them behind Serve's HTTP proxy (the
+    unit tests drive the app directly): the model by name, an unknown one, an unknown
+    route, a wrong method, a field this server does not take, a null field."""
+    import httpx2
+
+    base = timeout_server.base_url
+    with httpx2.Client(timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        assert http.get(f"{base}/models/verifier").json()["id"] == "verifier"
+        for method, path, body, status, param in (
+            ("GET", "/models/nope", None, 404, "model"),
+            ("GET", "/nowhere", None, 404, None),
+            ("GET", "/completions", None, 405, None),
+            ("POST", "/completions", {"prompt": "x", "tools": [{"type": "x"}]}, 400, "tools"),
+        ):
+            reply = http.request(method, base + path, json=body)
+            assert reply.status_code == status, (path, reply.text)
+            error = reply.json()["error"]
+            assert error["message"] and (param is None or error["param"] == param), error
+        body = {"model": "verifier", "prompt": "x", "max_tokens": 2, "response_format": None}
+        assert http.post(f"{base}/completions", json=body).status_code == 200
