@@ -90,7 +90,8 @@ def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path
         return out.stdout
 
     serve = [ln for ln in dry("serve").splitlines() if "deployments.serve" in ln]
-    assert serve and "--port" not in serve[-1], serve
+    assert serve and "--port" not in serve[-1] and "--http-port" not in serve[-1], serve
+    assert "--http-port 59937" in dry("serve", "HTTP_PORT=59937")  # README: HTTP_PORT=
     assert "serve-59934.pid" in dry("stop")
     assert "--port 59936" in dry("serve", "PORT=59936")
     assert "serve-59936.pid" in dry("stop", "PORT=59936")
