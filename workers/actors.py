@@ -58,13 +58,13 @@ class DraftActor:
         node's Ray address (`ray.util.get_node_ip_address()`, the interface the cluster's
         own traffic uses: 127.0.0.1 for a local head, the host's address on a multi-node
         cluster, where rank 0 may run on another node), not on every interface."""
-        from workers.draft_service import start_server
+        from workers.draft_service import host_port, start_server
 
         host = ray.util.get_node_ip_address()
         if self.server is None:
             self.server, self.port = await start_server(self.servicer, host=host, port=port)
             self._leases = asyncio.get_running_loop().create_task(self.servicer.expire_leases())
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return host_port(host, self.port)
 
     async def status(self) -> dict:
         return {

@@ -209,6 +209,11 @@ class DraftServicer(pb_grpc.SpeculationServicer):
                     await self._close(rid)
 
 
+def host_port(host: str, port: int) -> str:
+    """gRPC's target form: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 async def start_server(
     servicer: DraftServicer,
     *,
@@ -222,6 +227,6 @@ async def start_server(
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_SpeculationServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_insecure_port(host_port(host, port))
     await server.start()
     return server, bound

@@ -102,3 +102,27 @@ def test_wrong_request_epoch_sequence_or_shape_is_refused():
     msg.token_ids[1] = V
     with pytest.raises(StaleBlockError, match="outside"):
         _decode(msg)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_draft_server_binds_and_is_reached_on_ipv4_and_ipv6_hosts(host):
+    """The draft actor serves on its node's Ray address, which may be IPv6: gRPC wants
+    it in brackets, for the bind and for the address rank 0 dials."""
+    import asyncio
+
+    import grpc
+
+    from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
+    from workers.draft_service import host_port, start_server
+
+    async def run():
+        server, port = await start_server(pb_grpc.SpeculationServicer(), host=host, port=0)
+        try:
+            assert port > 0
+            async with grpc.aio.insecure_channel(host_port(host, port)) as channel:
+                await asyncio.wait_for(channel.channel_ready(), 10)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+    assert host_port("::1", 5) == "[::1]:5" and host_port("10.0.0.2", 5) == "10.0.0.2:5"
