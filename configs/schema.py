@@ -132,11 +132,10 @@ class LimitsConfig(_Model):
         a client lift the limit, and it cuts an SSE stream without an event), so this
         limit ends the request as `time_limit_s` does: the tokens so far, finish_reason
         "length"."""
-        if not self.request_timeout_s:
+        ceiling = self.request_timeout_s
+        if not ceiling:
             return requested
-        return (
-            self.request_timeout_s if requested is None else min(requested, self.request_timeout_s)
-        )
+        return ceiling if requested is None else min(requested, ceiling)
 
 
 class BatchingConfig(_Model):

@@ -87,9 +87,10 @@ class EngineMetrics:
             for rule, n in predicted.items():
                 self.predicted.inc(n, tags={"rule": rule})
                 self.realised.inc(realised[rule], tags={"rule": rule})
-        for (rule, key), n in engine.take_cancelled_work().items():
-            if n:
-                self.cancelled[key].inc(n, tags={"rule": rule})
+        if engine.cancelled_work:  # rare: no new Counter on every step
+            for (rule, key), n in engine.take_cancelled_work().items():
+                if n:
+                    self.cancelled[key].inc(n, tags={"rule": rule})
         sched = engine.scheduler
         self.running.set(sched.num_rows)
         self.waiting.set(len(sched.waiting))
