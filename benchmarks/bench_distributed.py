@@ -99,7 +99,8 @@ def main(argv=None) -> None:
     verifier = args.verifier or str(DEFAULT_VERIFIER)
     draft = args.draft or str(DEFAULT_DRAFT)
     torch.set_num_threads(args.threads)
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # a fresh local head: a benchmark never joins a cluster found in /tmp/ray
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     # Ray starts its worker processes at nice 15 (below raylet/GCS); run the in-process
     # engine at the same priority so only the transport differs.
     niceness = os.nice(0)

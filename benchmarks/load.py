@@ -8,6 +8,7 @@ time to first token and inter-token latency (p50/p99), errors (must be 0).
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deployments.serve", "--config", str(path)],
             cwd=REPO,
+            # a fresh local Ray head, never a cluster this machine's last `ray start` (or
+            # a killed test run) left in /tmp/ray/ray_current_cluster
+            env={**os.environ, "RAY_ADDRESS": "local"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -7,6 +7,11 @@ import os
 from cactus import environment
 
 environment.apply()  # before Ray, transformers and DeepSpeed are imported
+# Every Ray head the tests start (here, in servers and scripts they spawn) is a fresh local
+# one. Without this, `ray.init()` joins the cluster named in /tmp/ray/ray_current_cluster:
+# the last `ray start` on this machine, or a multi-node test run killed before its
+# shutdown, whose dead GCS a server then dials for minutes. Explicit addresses still win.
+os.environ["RAY_ADDRESS"] = "local"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
