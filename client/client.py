@@ -157,12 +157,14 @@ class CactusClient(_Client):
     def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         msg = self.request(prompt, **kw)
         own = msg.time_limit_s
+        return self._unary(self.stub.Generate, lambda a: a.bound(msg, own), timeout)
+
+    def _unary(self, method, message, timeout: float | None):
+        """One retried unary call; `message(attempts)` builds each attempt's request."""
         attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
         while True:
             try:
-                reply = self.stub.Generate(
-                    attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
-                )
+                reply = method(message(attempts), timeout=attempts.left_s(), metadata=self.metadata)
                 self.last_attempts = attempts.made + 1
                 return reply
             except grpc.RpcError as err:
@@ -207,12 +209,13 @@ class CactusClient(_Client):
                 if not call.done():
                     call.cancel()
 
-    def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(
-            pb.ModelInfoRequest(), timeout=self.timeout, metadata=self.metadata
-        )
+    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        """The served models and limits; retried as `generate` is."""
+        return self._unary(self.stub.GetModelInfo, lambda _: pb.ModelInfoRequest(), timeout)
 
     def health(self) -> str:
+        """The gRPC health service's status (SERVING, NOT_SERVING): a probe, one attempt,
+        never retried, so a server that is down says so at once."""
         reply = self.health_stub.Check(
             health_pb2.HealthCheckRequest(), timeout=self.timeout, metadata=self.metadata
         )
@@ -233,11 +236,15 @@ class AsyncCactusClient(_Client):
     async def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         msg = self.request(prompt, **kw)
         own = msg.time_limit_s
+        return await self._unary(self.stub.Generate, lambda a: a.bound(msg, own), timeout)
+
+    async def _unary(self, method, message, timeout: float | None):
+        """One retried unary call; `message(attempts)` builds each attempt's request."""
         attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
         while True:
             try:
-                reply = await self.stub.Generate(
-                    attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+                reply = await method(
+                    message(attempts), timeout=attempts.left_s(), metadata=self.metadata
                 )
                 self.last_attempts = attempts.made + 1
                 return reply
@@ -282,12 +289,12 @@ class AsyncCactusClient(_Client):
                 if not call.done():
                     call.cancel()
 
-    async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(
-            pb.ModelInfoRequest(), timeout=self.timeout, metadata=self.metadata
-        )
+    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        """The served models and limits; retried as `generate` is."""
+        return await self._unary(self.stub.GetModelInfo, lambda _: pb.ModelInfoRequest(), timeout)
 
     async def health(self) -> str:
+        """The health service's status: a probe, one attempt, never retried."""
         reply = await self.health_stub.Check(
             health_pb2.HealthCheckRequest(), timeout=self.timeout, metadata=self.metadata
         )

@@ -1,4 +1,5 @@
-"""`make serve`: a local Ray head on loopback, the Cactus app, gRPC on PORT (every interface).
+"""`make serve`: the Cactus app on Ray Serve, gRPC on PORT (every interface), on the Ray
+cluster `ray.init()` finds (RAY_ADDRESS, the last `ray start` here) or a new local head.
 
     python -m deployments.serve [--config configs/default.yaml] [--port 9000]
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,6 +37,35 @@ def with_resolved_token(config):
     if not token or token == config.auth.token:
         return config
     return config.model_copy(update={"auth": config.auth.model_copy(update={"token": token})})
+
+
+def ray_address() -> str | None:
+    """The address `ray.init` gets: None (Ray's own choice: RAY_ADDRESS, else the cluster
+    the last `ray start` on this machine recorded, else a new local head), or "local"
+    when that record names a GCS that does not answer. A record outlives a cluster
+    stopped without `ray stop` (a crash, a killed test run); `ray.init()` would dial its
+    dead GCS for minutes. Call after `environment.apply()`, before `ray.init`."""
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    from ray._common.utils import get_ray_address_file
+    from ray._private.services import find_bootstrap_address
+
+    recorded = find_bootstrap_address(None)
+    if not recorded:
+        return None
+    host, _, port = recorded.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+        return None
+    except (OSError, ValueError):
+        print(
+            f"WARNING: the Ray cluster recorded in {get_ray_address_file(None)} "
+            f"({recorded}) does not answer: starting a local head instead (export "
+            "RAY_ADDRESS=<head>:<port> to join a cluster)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return "local"
 
 
 def main(argv=None) -> int:
@@ -66,6 +97,7 @@ def main(argv=None) -> int:
     from deployments.app import build_app, start_serve
 
     ray.init(
+        address=ray_address(),
         num_cpus=args.num_cpus,
         include_dashboard=False,
         log_to_driver=False,

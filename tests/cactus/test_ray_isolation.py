@@ -1,5 +1,6 @@
 """The tests and benchmarks start fresh local Ray heads, whatever cluster this machine's
-/tmp/ray/ray_current_cluster names (conftest sets RAY_ADDRESS=local).
+/tmp/ray/ray_current_cluster names (conftest sets RAY_ADDRESS=local), and `make serve`
+skips a record whose GCS does not answer.
 
 Why: `ray.init()` with no address joins the cluster named in that file: the last
 `ray start` on the machine (how the README's multi-node `make serve` finds its cluster),
@@ -60,3 +61,32 @@ def test_a_fresh_head_starts_beside_a_stale_address_file(stale_temp_dir):
     assert out.returncode == 0, out.stdout + out.stderr
     gcs = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("GCS ")]
     assert gcs and gcs[0] != dead
+
+
+def test_the_launcher_starts_its_own_head_when_the_recorded_cluster_is_dead(
+    tmp_path, monkeypatch, capsys
+):
+    """deployments.serve.ray_address: a record naming a GCS that does not answer ->
+    "local" with a warning naming it; a live one, or RAY_ADDRESS set -> None (Ray's own
+    choice: join it). The server e2e of this is the timeout server (test_timeout_e2e)."""
+    from deployments.serve import ray_address
+
+    (tmp_path / "ray").mkdir()
+    record = tmp_path / "ray" / "ray_current_cluster"
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert ray_address() is None  # no record: a new head, Ray's default
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    record.write_text(dead)
+    assert ray_address() == "local"
+    assert dead in capsys.readouterr().err
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        record.write_text(f"127.0.0.1:{live.getsockname()[1]}")
+        assert ray_address() is None
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    record.write_text(dead)
+    assert ray_address() is None

@@ -12,6 +12,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import NO_RETRY, AsyncCactusClient, CactusClient, RetryPolicy
 from protos.cactus.v1 import cactus_pb2 as pb
@@ -43,6 +44,10 @@ class Flaky(pb_grpc.CactusServicer):
         self._maybe_fail(context, request)
         return pb.GenerateResponse(request_id="r", text="ok", token_ids=[1, 2])
 
+    def GetModelInfo(self, request, context):
+        self._maybe_fail(context)
+        return pb.ModelInfo(verifier="v")
+
     def GenerateStream(self, request, context):
         self._maybe_fail(context, request)
         yield pb.GenerateResponse(request_id="r", text="a", token_ids=[1])
@@ -51,11 +56,23 @@ class Flaky(pb_grpc.CactusServicer):
         yield pb.GenerateResponse(request_id="r", text="b", token_ids=[2], finish_reason="LENGTH")
 
 
+class FlakyHealth(health_pb2_grpc.HealthServicer):
+    """The gRPC health service, failing as its Flaky twin says (shares its counter)."""
+
+    def __init__(self, twin: Flaky) -> None:
+        self.twin = twin
+
+    def Check(self, request, context):
+        self.twin._maybe_fail(context)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
 @pytest.fixture()
 def flaky():
     servicer = Flaky()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_CactusServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(FlakyHealth(servicer), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield servicer, f"127.0.0.1:{port}"
@@ -82,6 +99,36 @@ def test_both_clients_retry_before_the_first_response(flaky, code):
         return reply.text, unary, texts, aclient.last_attempts
 
     assert asyncio.run(run()) == ("ok", 3, ["a", "b"], 3)
+
+
+def test_model_info_is_retried_and_health_is_a_single_probe(flaky):
+    """model_info() retries as generate() does (a replica starting answers UNAVAILABLE);
+    health() is a probe: one attempt, so a server that is down says so at once."""
+    servicer, address = flaky
+    servicer.failures = 2
+    client = CactusClient(address, retry=FAST, timeout=10)
+    assert client.model_info().verifier == "v" and client.last_attempts == 3
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        servicer.calls = 0
+        info = await aclient.model_info()
+        attempts = aclient.last_attempts
+        servicer.calls = 0
+        try:
+            await aclient.health()
+        except grpc.RpcError as err:
+            code = err.code()
+        await aclient.close()
+        return info.verifier, attempts, code, servicer.calls
+
+    assert asyncio.run(run()) == ("v", 3, grpc.StatusCode.UNAVAILABLE, 1)
+    servicer.calls = 0
+    with pytest.raises(grpc.RpcError) as err:
+        client.health()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and servicer.calls == 1
+    servicer.failures = 0
+    assert client.health() == "SERVING" and servicer.calls == 2
 
 
 def test_attempts_are_bounded_and_other_codes_are_not_retried(flaky):

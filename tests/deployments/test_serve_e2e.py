@@ -127,7 +127,9 @@ def serving(config: dict, folder: Path, env: dict | None = None):
 
 
 def _wait_ready(proc, timeout_s: float) -> str:
+    """The READY line; every line the server prints stays on `proc.output`."""
     lines: list[str] = []
+    proc.output = lines
     deadline = time.monotonic() + timeout_s
 
     def reader():

@@ -13,12 +13,18 @@ MAX_TOKENS tokens without an EOS.
 
 The token comes from CACTUS_AUTH_TOKEN exported to `make serve` (README: an exported
 token protects every replica; the config names none), so this server also checks that.
+It also starts beside a stale Ray cluster record (RAY_TMPDIR names a folder whose
+ray/ray_current_cluster points at a port nobody listens on, RAY_ADDRESS is unset): the
+launcher warns and starts its own head instead of dialling the dead GCS.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 import time
 
 import grpc
@@ -49,9 +55,20 @@ def timeout_server(tmp_path_factory):
         "limits": {"request_timeout_s": LIMIT_S},
     }
     folder = tmp_path_factory.mktemp("timeout")
-    with serving(config, folder, env={"CACTUS_AUTH_TOKEN": TOKEN}) as (proc, ready):
-        ray_address = re.search(r"ray (\S+)\)", ready).group(1)
-        yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+    stale = tempfile.mkdtemp(prefix="/tmp/rayst-")  # short: Ray's socket paths
+    os.makedirs(os.path.join(stale, "ray"))
+    dead = f"127.0.0.1:{free_port()}"
+    with open(os.path.join(stale, "ray", "ray_current_cluster"), "w") as f:
+        f.write(dead)
+    env = {"CACTUS_AUTH_TOKEN": TOKEN, "RAY_ADDRESS": "", "RAY_TMPDIR": stale}
+    try:
+        with serving(config, folder, env=env) as (proc, ready):
+            ray_address = re.search(r"ray (\S+)\)", ready).group(1)
+            assert ray_address != dead
+            assert any(dead in line and "does not answer" in line for line in proc.output)
+            yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def test_a_grpc_call_past_the_server_limit_is_deadline_exceeded_and_stops(
