@@ -234,3 +234,34 @@ def test_a_load_level_measures_only_the_window_after_its_settle_time():
     assert min(servicer.started) < begin + 0.25
     # latencies come from the requests the window started only
     assert 0 < res.requests < len(servicer.started) and len(res.ttft) == res.requests
+
+
+def test_the_policy_replay_charges_each_policy_its_counterfactual_tokens():
+    """benchmarks.policy_replay on made-up traces: a row that accepts all 8 wants K = 8
+    at every cost, one that accepts none wants K = 0; the replayed policy learns either
+    (its group warmed on a quarter of the requests) and the fixed-K ratios follow
+    min(a, k) + 1 tokens per step of cost 1 + r k."""
+    from benchmarks.policy_replay import replay
+
+    always = [[8] * 10 for _ in range(8)]
+    got = replay(always, "sps", 0.27)
+    assert got["K=8"] == 1.0 and got["policy"] > 0.97 and got["state oracle"] == 1.0
+    assert got["K=4"] == pytest.approx((5 / (1 + 0.27 * 4)) / (9 / (1 + 0.27 * 8)))
+    never = [[0] * 10 for _ in range(8)]
+    got = replay(never, "sps", 0.27)
+    assert got["K=0"] == 1.0 and got["policy"] > 0.97
+    assert got["K=8"] == pytest.approx(1 / (1 + 0.27 * 8))
+
+
+def test_the_policy_replay_collects_real_traces():
+    """One batch of 8 short requests per group on the embedded pair: every request that
+    drafted left its steps' accepted counts, each in 0..8, and the report has a row per
+    group and cost ratio."""
+    from benchmarks.policy_replay import GROUPS, RATIOS, collect, report
+
+    traces = collect(1, 24)
+    for *_, group in GROUPS:
+        assert 1 <= len(traces[group]) <= 8
+        assert all(0 <= a <= 8 for counts in traces[group] for a in counts)
+    rows = [ln for ln in report(traces) if ln.startswith("| sps") or ln.startswith("| cactus")]
+    assert len(rows) == len(GROUPS) * len(RATIOS)
