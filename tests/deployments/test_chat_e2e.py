@@ -44,16 +44,16 @@ def chat_server(tmp_path_factory):
         "grpc_port": port,
         "http_port": http_port,
     }
-    with serving(config, root) as (_proc, ready):
+    with serving(config, root) as (proc, ready):
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)
-        yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"], ray_address
+        yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"], ray_address, proc
 
 
 def test_chat_completions_render_the_template_and_stream(chat_server, embedded_engine):
     import openai
     from transformers import AutoTokenizer
 
-    base_url, verifier_dir, _ = chat_server
+    base_url, verifier_dir, *_ = chat_server
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
     messages = [
         {"role": "system", "content": "You write Python."},
@@ -111,7 +111,7 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     waits for the restart and is served."""
     import httpx2
 
-    base_url, _, ray_address = chat_server
+    base_url, _, ray_address, _ = chat_server
     prompt, max_tokens = heldout_prompts[9], 400
     want = embedded_engine.generate(
         GenerationRequest(
@@ -189,3 +189,12 @@ def _complete(base_url: str, prompt: str):
             f"{base_url}/completions",
             json={"model": "verifier", "prompt": prompt, "max_tokens": 4},
         )
+
+
+def test_a_server_without_a_token_warns_that_auth_is_off(chat_server):
+    """README: with no token configured or exported, the launcher prints a warning that
+    auth is off and the gRPC port is reachable from other hosts, under its READY line."""
+    *_, proc = chat_server
+    out = "".join(proc.output)
+    assert "WARNING: auth is off and the gRPC port is reachable from other hosts" in out
+    assert "export CACTUS_AUTH_TOKEN=<token>" in out

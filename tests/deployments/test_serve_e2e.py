@@ -148,6 +148,19 @@ def _wait_ready(proc, timeout_s: float) -> str:
     raise RuntimeError("server not ready:\n" + "".join(lines[-40:]))
 
 
+def test_the_ready_banner_says_where_it_listens(server):
+    """The lines under READY: a client example, where each API listens (gRPC on every
+    interface, HTTP on its host), and no auth-off warning on a server with a token."""
+    port = server.address.rsplit(":", 1)[1]
+    out = "".join(server.proc.output)
+    assert f"try: .venv/bin/cactus client --address 127.0.0.1:{port}" in out
+    assert f"listening: gRPC on every interface ([::]:{port}" in out
+    assert re.search(
+        r"OpenAI HTTP on 127\.0\.0\.1:\d+ \(base_url http://127\.0\.0\.1:\d+/v1\)", out
+    )
+    assert "auth is off" not in out
+
+
 def test_health_and_model_info(server):
     client = server.client()
     assert client.health() == "SERVING"
