@@ -1,5 +1,7 @@
-"""`make serve`: the Cactus app on Ray Serve, gRPC on PORT (every interface), on the Ray
-cluster `ray.init()` finds (RAY_ADDRESS, the last `ray start` here) or a new local head.
+"""`make serve`: the Cactus app on Ray Serve, gRPC on PORT (every interface).
+
+It runs on the Ray cluster `ray.init()` finds (RAY_ADDRESS, else the last `ray start` on
+this machine) or on a new local head (see `ray_address`).
 
     python -m deployments.serve [--config configs/default.yaml] [--port 9000]
 
