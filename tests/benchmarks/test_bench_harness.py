@@ -254,14 +254,14 @@ def test_the_policy_replay_charges_each_policy_its_counterfactual_tokens():
 
 
 def test_the_policy_replay_collects_real_traces():
-    """One batch of 8 short requests per group on the embedded pair: every request that
-    drafted left its steps' accepted counts, each in 0..8, and the report has a row per
-    group and cost ratio."""
+    """One batch of 8 short requests per group on the embedded pair: every request left
+    its steps' accepted counts, each in 0..8, and the report has a row per group and
+    cost ratio."""
     from benchmarks.policy_replay import GROUPS, RATIOS, collect, report
 
     traces = collect(1, 24)
     for *_, group in GROUPS:
-        assert 1 <= len(traces[group]) <= 8
+        assert len(traces[group]) == 8  # every request's first step drafts K = 8
         assert all(0 <= a <= 8 for counts in traces[group] for a in counts)
     rows = [ln for ln in report(traces) if ln.startswith("| sps") or ln.startswith("| cactus")]
     assert len(rows) == len(GROUPS) * len(RATIOS)

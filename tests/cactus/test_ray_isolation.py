@@ -10,6 +10,7 @@ files here live in a private temp dir, never in the machine's /tmp/ray."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -20,17 +21,28 @@ import tempfile
 import pytest
 
 
-@pytest.fixture
-def stale_temp_dir():
-    """A Ray temp dir whose address file names a GCS port nobody listens on."""
+@contextlib.contextmanager
+def stale_ray_record():
+    """A folder for RAY_TMPDIR whose Ray temp dir (`<folder>/ray`) holds a
+    ray_current_cluster naming a GCS port nobody listens on; yields (folder, address)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     folder = tempfile.mkdtemp(prefix="/tmp/rayiso-")  # short: Ray's socket paths
-    with open(os.path.join(folder, "ray_current_cluster"), "w") as f:
+    os.makedirs(os.path.join(folder, "ray"))
+    with open(os.path.join(folder, "ray", "ray_current_cluster"), "w") as f:
         f.write(dead)
-    yield folder, dead
-    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        yield folder, dead
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def stale_temp_dir():
+    """A Ray temp dir (as `_temp_dir`) with a dead cluster record."""
+    with stale_ray_record() as (folder, dead):
+        yield os.path.join(folder, "ray"), dead
 
 
 def test_ray_joins_the_address_file_unless_ray_address_is_local(stale_temp_dir, monkeypatch):
@@ -63,30 +75,26 @@ def test_a_fresh_head_starts_beside_a_stale_address_file(stale_temp_dir):
     assert gcs and gcs[0] != dead
 
 
-def test_the_launcher_starts_its_own_head_when_the_recorded_cluster_is_dead(
-    tmp_path, monkeypatch, capsys
-):
+def test_the_launcher_starts_its_own_head_when_the_recorded_cluster_is_dead(monkeypatch, capsys):
     """deployments.serve.ray_address: a record naming a GCS that does not answer ->
     "local" with a warning naming it; a live one, or RAY_ADDRESS set -> None (Ray's own
     choice: join it). The server e2e of this is the timeout server (test_timeout_e2e)."""
     from deployments.serve import ray_address
 
-    (tmp_path / "ray").mkdir()
-    record = tmp_path / "ray" / "ray_current_cluster"
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS")
-    assert ray_address() is None  # no record: a new head, Ray's default
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
-    record.write_text(dead)
-    assert ray_address() == "local"
-    assert dead in capsys.readouterr().err
-    with socket.socket() as live:
-        live.bind(("127.0.0.1", 0))
-        live.listen()
-        record.write_text(f"127.0.0.1:{live.getsockname()[1]}")
+    with stale_ray_record() as (folder, dead):
+        record = os.path.join(folder, "ray", "ray_current_cluster")
+        monkeypatch.setenv("RAY_TMPDIR", folder)
+        assert ray_address() == "local"
+        assert dead in capsys.readouterr().err
+        with socket.socket() as live:
+            live.bind(("127.0.0.1", 0))
+            live.listen()
+            with open(record, "w") as f:
+                f.write(f"127.0.0.1:{live.getsockname()[1]}")
+            assert ray_address() is None
+        monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
         assert ray_address() is None
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
-    record.write_text(dead)
-    assert ray_address() is None
+        monkeypatch.delenv("RAY_ADDRESS")
+        os.remove(record)
+        assert ray_address() is None  # no record: a new head, Ray's default

@@ -21,16 +21,14 @@ launcher warns and starts its own head instead of dialling the dead GCS.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 import time
 
 import grpc
 import pytest
 
 from client import NO_RETRY
+from tests.cactus.test_ray_isolation import stale_ray_record
 from tests.deployments.test_serve_e2e import Server, _assert_caches_freed, serving
 from workers.tp_verifier import free_port
 
@@ -55,20 +53,13 @@ def timeout_server(tmp_path_factory):
         "limits": {"request_timeout_s": LIMIT_S},
     }
     folder = tmp_path_factory.mktemp("timeout")
-    stale = tempfile.mkdtemp(prefix="/tmp/rayst-")  # short: Ray's socket paths
-    os.makedirs(os.path.join(stale, "ray"))
-    dead = f"127.0.0.1:{free_port()}"
-    with open(os.path.join(stale, "ray", "ray_current_cluster"), "w") as f:
-        f.write(dead)
-    env = {"CACTUS_AUTH_TOKEN": TOKEN, "RAY_ADDRESS": "", "RAY_TMPDIR": stale}
-    try:
+    with stale_ray_record() as (stale, dead):
+        env = {"CACTUS_AUTH_TOKEN": TOKEN, "RAY_ADDRESS": "", "RAY_TMPDIR": stale}
         with serving(config, folder, env=env) as (proc, ready):
             ray_address = re.search(r"ray (\S+)\)", ready).group(1)
             assert ray_address != dead
             assert any(dead in line and "does not answer" in line for line in proc.output)
             yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
-    finally:
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def test_a_grpc_call_past_the_server_limit_is_deadline_exceeded_and_stops(
