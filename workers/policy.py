@@ -12,8 +12,8 @@ models it learns online from this engine's own steps:
   row of the same batch want different k; a position the rule has not drafted yet
   starts at the rule's acceptance over all positions). A row drafting k tokens emits
   E(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_m tokens in expectation.
-- Step cost (`CostModel`): three linear fits over a sliding window of steps, each from
-  the quantities that drive it. A step is a dense [rows, max k + 1] block, so: the
+- Step cost (`CostModel`): three linear fits over the last 96 steps at each max k
+  (none older than 1,024 steps), each from the quantities that drive it. A step is a dense [rows, max k + 1] block, so: the
   draft pass [1, max k, drafting rows x max k, catch-up tokens], the verifier forward
   [1, rows, rows x (max k + 1)], acceptance plus bookkeeping [1, rows, drafted
   tokens, drafting rows x max k] (the last: a remote draft pass of the next step runs
@@ -54,6 +54,7 @@ class PolicyConfig:
     warmup_steps: int = 24  # steps cycling k before the cost model is used
     explore_every: int = 16  # then every n-th step probes the cap +-1
     window: int = 256  # steps the cost fits remember
+    window_per_k: int = 96  # > 0: remember this many steps per max k instead (0: off)
     prior_strength: float = 4.0  # pseudo-counts of the rule's average in a row's estimate
     rule_prior: float = 0.5  # acceptance per position before a rule has any data
     rule_decay: float = 0.998  # forgetting of a rule's average per observation of a position
@@ -61,6 +62,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.kind!r}")
+        if self.window_per_k < 0:
+            raise ValueError(f"window_per_k: must be >= 0, got {self.window_per_k}")
         for name in ("warmup_steps", "explore_every", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -205,30 +208,51 @@ class _Fit:
     """Least squares over a sliding window, with a small ridge pull towards zero for the
     directions the window has not explored; coefficients are kept >= 0. The window's
     X^T X and X^T y are kept up to date as steps come and go, so a refit is a few
-    n x n solves, not a pass over the window."""
+    n x n solves, not a pass over the window.
 
-    def __init__(self, n: int, window: int) -> None:
-        self.rows: deque = deque(maxlen=window)  # (x, y)
+    With `per_key` > 0 the window is kept per key (the step's max k): each key's last
+    `per_key` rows, none older than `max_age` rows in all. A stretch at one k then
+    does not push every other k out of the fit (the rows the choice between k's
+    needs), and what a k left long ago still ages out."""
+
+    def __init__(self, n: int, window: int, per_key: int = 0, max_age: int = 0) -> None:
+        self.per_key, self.max_age = per_key, max_age
+        self.window = window
+        self.keyed: dict = {}  # key -> deque of (t, x, y); one key when not per key
+        self.t = 0  # rows added so far
         self.xtx = np.zeros((n, n))
         self.xty = np.zeros(n)
         self.scale = np.full(n, 1e-9)  # largest |x| seen per feature (conditioning)
         self.theta = np.zeros(n)
         self._stale = False
 
-    def add(self, x, y: float) -> None:
+    def __len__(self) -> int:
+        return sum(len(rows) for rows in self.keyed.values())
+
+    def _drop(self, rows: deque) -> None:
+        _, old_x, old_y = rows.popleft()
+        self.xtx -= np.outer(old_x, old_x)
+        self.xty -= old_x * old_y
+
+    def add(self, x, y: float, key=None) -> None:
         x, y = np.asarray(x, dtype=float), float(y)
-        if len(self.rows) == self.rows.maxlen:
-            old_x, old_y = self.rows[0]
-            self.xtx -= np.outer(old_x, old_x)
-            self.xty -= old_x * old_y
-        self.rows.append((x, y))
+        key = key if self.per_key else None
+        rows = self.keyed.setdefault(key, deque())
+        if len(rows) == (self.per_key or self.window):
+            self._drop(rows)
+        if self.max_age:
+            for old in self.keyed.values():
+                while old and self.t - old[0][0] >= self.max_age:
+                    self._drop(old)
+        rows.append((self.t, x, y))
+        self.t += 1
         self.xtx += np.outer(x, x)
         self.xty += x * y
         self.scale = np.maximum(self.scale, np.abs(x))
         self._stale = True
 
     def coef(self) -> np.ndarray:
-        if self._stale and self.rows:
+        if self._stale and len(self):
             d = self.scale
             a, b = self.xtx / np.outer(d, d), self.xty / d  # the fit on scaled features
             keep = np.ones(len(d), dtype=bool)
@@ -254,11 +278,12 @@ class CostModel:
     drafting rows x max k; what grows with each row's own k is the vocabulary-sized
     work (sampling processing, the kernel, the draft probabilities' transport)."""
 
-    def __init__(self, window: int) -> None:
-        self.draft = _Fit(4, window)  # [1, max k, drafting rows x max k, catch-up tokens]
-        self.verify = _Fit(3, window)  # [1, rows, rows x (max k + 1)]
+    def __init__(self, window: int, per_k: int = 0) -> None:
+        fit = {"window": window, "per_key": per_k, "max_age": 4 * window if per_k else 0}
+        self.draft = _Fit(4, **fit)  # [1, max k, drafting rows x max k, catch-up tokens]
+        self.verify = _Fit(3, **fit)  # [1, rows, rows x (max k + 1)]
         # [1, rows, drafted tokens, drafting rows x max k, emitted tokens]
-        self.rest = _Fit(5, window)
+        self.rest = _Fit(5, **fit)
         self.steps = 0
 
     @staticmethod
@@ -274,10 +299,11 @@ class CostModel:
     ) -> None:
         """`tokens`: what the step emitted (accepted + 1 per row)."""
         fd, fv, fr = self.features(ks, lags)
+        key = max(ks, default=0)
         if fd is not None:
-            self.draft.add(fd, draft_s)
-        self.verify.add(fv, verify_s)
-        self.rest.add([*fr, tokens], rest_s)
+            self.draft.add(fd, draft_s, key)
+        self.verify.add(fv, verify_s, key)
+        self.rest.add([*fr, tokens], rest_s, key)
         self.steps += 1
 
     def predict(self, ks, lags, tokens: float = 0.0) -> float:
@@ -306,7 +332,7 @@ class SpeculationPolicy:
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
         self.acceptance = AcceptanceModel(self.config)
-        self.cost = CostModel(self.config.window)
+        self.cost = CostModel(self.config.window, self.config.window_per_k)
         self.stats = PolicyStats()
 
     @property

@@ -123,6 +123,42 @@ def test_cost_model_recovers_a_linear_machine():
         assert cost.predict(ks, [0] * len(ks)) == pytest.approx(_true_cost(ks), rel=1e-3)
 
 
+def test_per_k_windows_keep_every_k_the_fit_has_seen():
+    """With `window_per_k`, a long stretch at one k (one rule's cells, one load) does
+    not push the other k's steps out of the cost fit: the choice between k's needs
+    them. On a machine whose verify time is not linear in k, the fit after 600 steps
+    at k = 8 then still prices k = 2 from k = 2 steps; a single 256-step window has
+    only k = 8 left and extrapolates. What a k left long ago still ages out."""
+
+    def verify_s(ks):  # a forward that gets cheaper per token as it widens
+        b, kmax = len(ks), max(ks)
+        return 0.02 + 0.004 * b * (kmax + 1) ** 0.5
+
+    def feed(cost, ks):
+        cost.observe(ks, [0] * len(ks), 0.001 * max(ks), verify_s(ks), 0.001)
+
+    one, per_k = CostModel(256), CostModel(256, per_k=96)
+    rng = np.random.default_rng(4)
+    for cost in (one, per_k):
+        for _ in range(200):  # a mixed start: every k seen
+            feed(cost, [int(rng.integers(1, 9))] * int(rng.integers(8, 17)))
+        for _ in range(600):  # then one k for a long while
+            feed(cost, [8] * int(rng.integers(8, 17)))
+    assert sorted(per_k.verify.keyed) == list(range(1, 9))
+    assert all(len(rows) <= 96 for rows in per_k.verify.keyed.values())
+    assert len(one.verify) == 256 and set(one.verify.keyed) == {None}
+
+    def error(cost, k):
+        ks = [k] * 16
+        return abs(cost.predict(ks, [0] * 16) - (0.001 * k + verify_s(ks) + 0.001))
+
+    assert error(per_k, 2) < 0.5 * error(one, 2), (error(per_k, 2), error(one, 2))
+    # 4 x 256 steps later, at k = 8 only, k = 2's steps have aged out
+    for _ in range(1024):
+        feed(per_k, [8] * 16)
+    assert [k for k, rows in per_k.verify.keyed.items() if rows] == [8]
+
+
 def _trained_policy(p_accept: dict[str, float], steps: int = 300, cost=_observe):
     policy = SpeculationPolicy(PolicyConfig(warmup_steps=24))
     rng = np.random.default_rng(2)
