@@ -15,8 +15,9 @@ models it learns online from this engine's own steps:
 - Step cost (`CostModel`): three linear fits over the last 96 steps at each max k
   (none older than 1,024 steps), each from the quantities that drive it. A step is a
   dense [rows, max k + 1] block, so: the draft pass [1, max k, drafting rows x max k,
-  catch-up tokens], the verifier forward [1, rows, rows x (max k + 1)], acceptance plus bookkeeping [1, rows, drafted
-  tokens, drafting rows x max k] (the last: a remote draft pass of the next step runs
+  catch-up tokens], the verifier forward [1, rows, rows x (max k + 1)], acceptance
+  plus bookkeeping [1, rows, drafted tokens, drafting rows x max k] (the last: a
+  remote draft pass of the next step runs
   meanwhile and slows this side on a shared machine, in proportion to its own work,
   not to each row's k). The engine reports each step's whole busy cycle in wall-clock
   time but its prefill chunks, so the rest also holds admission, planning and the
