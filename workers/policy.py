@@ -13,11 +13,11 @@ models it learns online from this engine's own steps:
   starts at the rule's acceptance over all positions). A row drafting k tokens emits
   E(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_m tokens in expectation.
 - Step cost (`CostModel`): three linear fits over the last 96 steps at each max k
-  (none older than 1,024 steps), each from the quantities that drive it. A step is a
-  dense [rows, max k + 1] block, so: the draft pass [1, max k, drafting rows x max k,
-  catch-up tokens], the verifier forward [1, rows, rows x (max k + 1)], acceptance
-  plus bookkeeping [1, rows, drafted tokens, drafting rows x max k] (the last: a
-  remote draft pass of the next step runs
+  (none older than 1,024 steps; the draft fit counts the steps that drafted), each
+  from the quantities that drive it. A step is a dense [rows, max k + 1] block, so:
+  the draft pass [1, max k, drafting rows x max k, catch-up tokens], the verifier
+  forward [1, rows, rows x (max k + 1)], acceptance plus bookkeeping [1, rows, drafted
+  tokens, drafting rows x max k] (the last: a remote draft pass of the next step runs
   meanwhile and slows this side on a shared machine, in proportion to its own work,
   not to each row's k). The engine reports each step's whole busy cycle in wall-clock
   time but its prefill chunks, so the rest also holds admission, planning and the
