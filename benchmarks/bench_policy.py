@@ -15,8 +15,9 @@ For each load level (concurrent streaming clients, 64-token completions of "def
 parse(text):" as in the load section) and each rule (cactus delta 1, sps), fixed is
 measured at K = 2, 4, 6, 8 (the request's num_speculative_tokens) and K = 0 (rule
 none), and goodput with K = 8 as its ceiling, cell after cell, `--rounds` times in
-rotated order; tokens/s is the mean over rounds. One round of a cell moves by about
-+-5% on a shared 2-core machine, so the rounds are many and short, and after
+rotated order (default 20 at 1 and 4 clients, 10 at 8 and 16: `ROUNDS_AT`); tokens/s
+is the mean over rounds. One round of a cell moves by 3-8% on a shared 2-core machine
+(the most with few clients), so the rounds are many and short, and after
 `--race-after` rounds a fixed K that is clearly slower than its rule's best (below
 `--race-margin` x) is not measured again: it cannot be the best, and the time goes to
 the cells that decide the comparison. The table gives the ratio's standard error next
@@ -52,6 +53,13 @@ FIXED_KS = (0, 2, 4, 6, 8)
 RULES = ("cactus", "sps")
 CEILING = 8
 MAX_TOKENS = 64
+# Rounds per cell by load level when --rounds is not given. With few concurrent clients
+# a 5 s window holds few requests, and one round of a cell moved about twice as much
+# as at 8 and 16 clients (median round-to-round spread of a cell in runs 19 and 20:
+# 6.4-8.3% at 1 and 4 clients, 3.1-4.1% at 8 and 16; benchmarks/results/
+# 2026-12-01-vm-policy.md, "Run 21"), so those levels get twice the rounds.
+ROUNDS = 10
+ROUNDS_AT = {1: 20, 4: 20}
 
 
 def _server(policy: str, levels: list[int]) -> ServerProcess:
@@ -168,7 +176,7 @@ def measure(args) -> list[dict]:
             cells: dict[tuple, list[float]] = {}
             policy: dict[str, dict] = {}
             active = [("none", 0)] + [(r, k) for r in RULES for k in (*FIXED_KS[1:], "goodput")]
-            for rnd in range(args.rounds):
+            for rnd in range(args.rounds_at[clients]):
                 if rnd == args.race_after:
                     active = _race(active, cells, args.race_margin)
                 plan = active[rnd % len(active) :] + active[: rnd % len(active)]
@@ -339,11 +347,24 @@ def _merge(into: dict, d: dict) -> None:
         t["mean_k"] = sum(k * n for k, n in t["chosen_k"].items()) / t["rows"]
 
 
+def _rounds_text(args) -> str:
+    """ "10" or "20 (1, 4 clients) / 10 (8, 16 clients)": the rounds of each level."""
+    by: dict[int, list[int]] = {}
+    for level, n in args.rounds_at.items():
+        by.setdefault(n, []).append(level)
+    if len(by) == 1:
+        return str(next(iter(by)))
+    return " / ".join(
+        f"{n} ({', '.join(map(str, levels))} clients)"
+        for n, levels in sorted(by.items(), reverse=True)
+    )
+
+
 def table(rows: list[dict], args) -> str:
     head = " | ".join(f"K={k}" for k in FIXED_KS)
     lines = [
         f"# speculation policy, served (TP = 1, embedded pair), {args.seconds:g} s x up to "
-        f"{args.rounds} rounds per cell (mean over rounds), {MAX_TOKENS}-token streams, "
+        f"{_rounds_text(args)} rounds per cell (mean over rounds), {MAX_TOKENS}-token streams, "
         f"goodput ceiling K = {CEILING}; each cell's clients ran {args.settle:g} s unmeasured "
         "before its window",
         f"# after {args.race_after} rounds a fixed K below {args.race_margin:g}x its rule's best "
@@ -444,7 +465,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 and 8 clients, one round of 3 s")
     parser.add_argument("--levels", type=int, nargs="+", default=None)
     parser.add_argument("--seconds", type=float, default=None)
-    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per cell at every level (default: ROUNDS_AT)",
+    )
     parser.add_argument("--warmup", type=float, default=8.0)
     parser.add_argument(
         "--race-after", type=int, default=2, help="rounds before clearly slower fixed K drop out"
@@ -457,7 +483,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.levels = args.levels or ([1, 8] if args.quick else [1, 4, 8, 16])
     args.seconds = args.seconds or (3.0 if args.quick else 5.0)
-    args.rounds = args.rounds or (1 if args.quick else 10)
+    args.rounds_at = {
+        level: args.rounds or (1 if args.quick else ROUNDS_AT.get(level, ROUNDS))
+        for level in args.levels
+    }
     if args.settle is None:
         args.settle = 1.0 if args.quick else 2.0
     from cactus import environment

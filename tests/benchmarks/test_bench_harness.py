@@ -151,6 +151,19 @@ def test_the_chance_that_a_tying_policy_passes_falls_with_the_noise():
     assert _tie_pass_chance(noisy, 10) == chance  # fixed seed
 
 
+def test_policy_bench_gives_the_noisier_low_load_levels_more_rounds():
+    """By default 1 and 4 clients get twice the rounds of 8 and 16 (their rounds move
+    about twice as much); --rounds sets every level, and the header says which."""
+    import argparse
+
+    from benchmarks.bench_policy import ROUNDS, ROUNDS_AT, _rounds_text
+
+    assert ROUNDS_AT[1] == ROUNDS_AT[4] == 2 * ROUNDS and 8 not in ROUNDS_AT
+    ns = argparse.Namespace(rounds_at={1: 20, 4: 20, 8: 10, 16: 10})
+    assert _rounds_text(ns) == "20 (1, 4 clients) / 10 (8, 16 clients)"
+    assert _rounds_text(argparse.Namespace(rounds_at={1: 3, 8: 3})) == "3"
+
+
 def test_policy_bench_stops_measuring_only_clearly_slower_fixed_ks():
     """The race keeps goodput, every fixed K within the margin of its rule's best, and
     rule none while either rule keeps it; what drops out keeps the rounds it had."""
