@@ -146,12 +146,14 @@ class BatchingConfig(_Model):
     )
     max_num_batched_tokens: Int = doc(
         "tokens one engine step computes: the running rows' K + 1 first, then chunks of "
-        "waiting prompts (vLLM's chunked prefill budget)",
+        "waiting prompts (vLLM's chunked prefill budget; at least 32 prompt tokens a step "
+        "while any wait, so a prompt always moves)",
         512,
     )
     kv_budget_tokens: Int | None = doc(
         "verifier KV-cache slots per replica (rows x longest reservation); a request that "
-        "does not fit waits. null = max_num_seqs x the model's context",
+        "does not fit waits (one above the whole budget: INVALID_ARGUMENT on max_tokens). "
+        "null = max_num_seqs x the model's context",
         None,
     )
     batch_wait_ms: Float = doc(

@@ -159,8 +159,8 @@ class SpeculativeEngine:
         if state.reserve_tokens > most:
             raise InvalidRequestError(
                 "max_tokens",
-                f"prompt + max_tokens + K need {state.reserve_tokens} KV slots; "
-                f"the KV budget allows {most} per request",
+                f"prompt + max_tokens need {state.reserve_tokens} KV slots; "
+                f"the KV budget allows {most} per request (batching.kv_budget_tokens)",
             )
         self.scheduler.add(state)
         self._live[state.id] = state

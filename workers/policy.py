@@ -27,9 +27,9 @@ models it learns online from this engine's own steps:
   draw of k (engine.step). The rest also has a cost per emitted token (detokenising, stop
   checks, streaming), fitted so that the other terms do not absorb it (Cactus emits
   about twice the tokens of sps per step) but left out of the choice, which it cannot
-  change (`CostModel.coefs`). No offline profiling: the first
-  `warmup_steps` steps cycle through k = K, K/2, 1, 0 (so every coefficient is seen),
-  and afterwards every `explore_every`-th step moves the cap by one either way.
+  change (`CostModel.coefs`). No offline profiling: the first `warmup_steps` steps
+  cycle through k = K, K/2, K/4, 0 (rounded up; so every coefficient is seen), and
+  afterwards every `explore_every`-th step moves the cap by one either way.
 
 The choice (`_best`) is one k per step (the cap) and which rows draft at all: a row
 that drafts drafts the cap, or its own ceiling where that is lower (the step is a dense

@@ -95,6 +95,15 @@ def test_context_checks_need_the_prompt_length():
     assert err.value.field == "prompt"
 
 
+def test_a_text_prompt_over_max_prompt_chars_is_refused_by_name():
+    """limits.max_prompt_chars bounds a text prompt before it is tokenised."""
+    limits = replace(LIMITS, max_prompt_chars=20)
+    validate_request(replace(GOOD, prompt="x" * 20), limits)
+    with pytest.raises(InvalidRequestError, match="longer than 20 characters") as err:
+        validate_request(replace(GOOD, prompt="x" * 21), limits)
+    assert err.value.field == "prompt"
+
+
 def test_good_requests_pass():
     validate_request(GOOD, LIMITS, prompt_len=5)
     validate_request(_s(temperature=0.0, top_k=-1, top_p=1.0, seed=2**64 - 1), LIMITS)

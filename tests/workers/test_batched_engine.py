@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from cactus.errors import RequestCancelledError, WorkerUnavailableError
+from cactus.errors import InvalidRequestError, RequestCancelledError, WorkerUnavailableError
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from workers.engine import SpeculativeEngine
 from workers.local import local_engine
@@ -203,6 +203,27 @@ def test_kv_budget_queues_requests_that_do_not_fit(tiny_checkpoints):
     want = engine.generate(replace(reqs[0], request_id="kv-solo")).token_ids
     assert all(_result(out[r.request_id]).token_ids == want for r in reqs)
     assert engine.verifier.runner.kv_slots <= 128
+
+
+def test_a_request_larger_than_the_whole_kv_budget_is_refused_not_queued(tiny_checkpoints):
+    """A request that could never fit (prompt + max_tokens above the KV budget) would
+    wait forever: it gets an error naming max_tokens and the budget, and the engine
+    goes on serving requests that fit."""
+    engine = local_engine(
+        str(tiny_checkpoints["llama"]), str(tiny_checkpoints["qwen2"]), kv_budget_tokens=128
+    )
+    big = GenerationRequest(
+        prompt_token_ids=tuple(range(5, 25)),
+        request_id="too-big",
+        sampling=SamplingParams(max_tokens=109, temperature=0.0),
+    )
+    with pytest.raises(InvalidRequestError) as err:
+        engine.generate(big)
+    assert err.value.field == "max_tokens"
+    assert "need 129 KV slots" in str(err.value) and "allows 128" in str(err.value)
+    assert not engine.has_work() and engine.scheduler.num_rows == 0
+    fits = replace(big, request_id="fits", sampling=replace(big.sampling, max_tokens=108))
+    assert len(engine.generate(fits).token_ids) > 0
 
 
 class _DyingDrafter:

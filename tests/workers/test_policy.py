@@ -177,6 +177,31 @@ def _trained_policy(p_accept: dict[str, float], steps: int = 300, cost=_observe)
     return policy
 
 
+def test_warm_up_cycles_k_then_every_sixteenth_step_probes_one_either_way():
+    """The README's schedule: the first warmup_steps steps cycle k through K, K/2, K/4
+    (rounded up) and 0, so every cost coefficient is seen; afterwards every
+    explore_every-th step moves the longest rows' k by one, up and down in turn, and
+    the other steps take the plan unchanged."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_steps=24, explore_every=16))
+    rows = [PolicyRow(f"r{i}", "sps", ceiling) for i, ceiling in enumerate((8, 6))]
+    chosen, explored = [], []
+    for _ in range(24 + 64):
+        plan = policy.plan(rows)
+        chosen.append(plan.ks)
+        explored.append(plan.explored)
+        policy.observe_rows(rows, plan.ks, [k // 2 for k in plan.ks], plan.expected_tokens)
+        _observe(policy.cost, plan.ks)
+    # steps 1..24: K/2, K/4, 0, K in turn (step n takes the cycle's n % 4-th entry)
+    cycle = {1: [4, 3], 2: [2, 2], 3: [0, 0], 0: [8, 6]}
+    assert all(chosen[n - 1] == cycle[n % 4] for n in range(1, 25)), chosen[:24]
+    assert all(explored[:24])
+    probes = [n for n in range(25, 24 + 65) if explored[n - 1]]
+    assert probes and all(n % 16 == 0 for n in probes), probes
+    for n in probes:  # one k away from the neighbouring steps' plan
+        base = chosen[n - 2]
+        assert max(chosen[n - 1]) in (max(base) - 1, max(base) + 1), (n, base, chosen[n - 1])
+
+
 def test_a_row_that_drafts_drafts_the_steps_k():
     """The step is a dense block: a row cut shorter than the others saves little, so
     every drafting row drafts the step's k, or its own ceiling where that is lower;
