@@ -217,8 +217,8 @@ def test_a_request_larger_than_the_whole_kv_budget_is_refused_not_queued(tiny_ch
         request_id="too-big",
         sampling=SamplingParams(max_tokens=109, temperature=0.0),
     )
-    with pytest.raises(InvalidRequestError) as err:
-        engine.generate(big)
+    with pytest.raises(InvalidRequestError) as err:  # at admission: it is never queued
+        engine.add_request(big, [].append)
     assert err.value.field == "max_tokens"
     assert "need 129 KV slots" in str(err.value) and "allows 128" in str(err.value)
     assert not engine.has_work() and engine.scheduler.num_rows == 0
