@@ -289,7 +289,7 @@ class CactusIngress:
             req = self._prepare(request, grpc_context)
             with self.metrics.running():
                 result = await self.engine.agenerate(req)
-            self.metrics.finished(req, result, start)
+            self.metrics.finished(req, result, start, unary=True)
             return result_pb(result)
         except asyncio.CancelledError:
             if req is not None:

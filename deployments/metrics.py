@@ -71,7 +71,8 @@ class ServiceMetrics:
         self.ttft = metrics.Histogram(
             "cactus_time_to_first_token_s",
             boundaries=LATENCY_BOUNDS_S,
-            description="time to first streamed chunk",
+            description="time to first token (a stream's first chunk; a unary call's first "
+            "generated token, as its latency less the engine's time after that token)",
         )
         self.itl = metrics.Histogram(
             "cactus_inter_token_latency_s",
@@ -125,7 +126,12 @@ class ServiceMetrics:
         self._last.pop(request.request_id, None)
         self.requests.inc(tags={"finish_reason": reason})
 
-    def finished(self, request, result, start: float) -> None:
+    def finished(self, request, result, start: float, unary: bool = False) -> None:
+        """A request that ended with a result. `unary`: its tokens went out all at once,
+        so no chunk timed its first token: that is its latency less the time the
+        engine spent after the first token (one clock per difference, so the
+        ingress and the engine need not share one). A resumed request's first token
+        came on an earlier engine, whose time is not in the result: not observed."""
         rule = {"rule": request.speculation.rule}
         st = result.stats
         self._last.pop(request.request_id, None)
@@ -148,4 +154,7 @@ class ServiceMetrics:
         self.prompt_tokens.inc(result.prompt_tokens)
         if result.token_ids:
             self.generation_tokens.inc(len(result.token_ids))
-        self.e2e.observe(time.monotonic() - start)
+        latency = time.monotonic() - start
+        self.e2e.observe(latency)
+        if unary and result.token_ids and not st.resumed:
+            self.ttft.observe(max(latency - st.first_token_to_end_s, 0.0))

@@ -568,7 +568,7 @@ def build_routes(ingress, tokenize, logger):
             if not body.get("stream"):
                 with ingress.metrics.running():
                     result = await ingress.engine.agenerate(req)
-                ingress.metrics.finished(req, result, start)
+                ingress.metrics.finished(req, result, start, unary=True)
                 return JSONResponse(shape.whole(req, result))
             stream = ingress.engine.astream(req)
             first = await anext(stream)  # a failure before the first token: a status

@@ -43,6 +43,9 @@ class SpecStats:
     draft_s: float = 0.0  # time of the steps' draft passes this request took part in
     verify_s: float = 0.0
     kernel_s: float = 0.0
+    # from this attempt's first generated token to its end, on the engine's clock: a
+    # unary call's time to first token is its latency less this (deployments/metrics.py)
+    first_token_to_end_s: float = 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -183,6 +186,7 @@ class RequestState:
         self.expected_tokens = 1.0  # the policy's expectation of that step's tokens
         self.undrafted = 0  # steps decoded without drafts since the draft cache last moved
         self.prefilled = 0  # verifier prompt tokens (all but the last) already in its row
+        self.first_token_at: float | None = None  # time.monotonic() of the first emit
         limit = request.time_limit_s
         self.deadline = time.monotonic() + limit if limit else None
 
@@ -233,6 +237,8 @@ class RequestState:
         string; returns the tokens taken (`logprobs`: one per token, kept for those)."""
         if self.logprobs is not None and logprobs is not None:
             self._pending_logprobs = logprobs
+        if tokens and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         s = self.request.sampling
         taken = []
         for tok in tokens:
@@ -317,6 +323,8 @@ class RequestState:
         self.detok.flush()
 
     def result(self) -> GenerationResult:
+        if self.first_token_at is not None:
+            self.stats.first_token_to_end_s = time.monotonic() - self.first_token_at
         return GenerationResult(
             request_id=self.id,
             text=self.detok.text,

@@ -302,3 +302,78 @@ def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
     assert counted(FakeEngine(fail=failing), stream) == ["ERROR"]
     assert counted(FakeEngine(), left) == ["CANCELLED"]
     assert counted(FakeEngine(), invalid) == []
+
+
+def test_every_request_with_a_token_times_its_first_token_once(ray_session):
+    """A stream's first chunk is timed as it goes out; a unary call has no chunks, so
+    its time to first token is its latency less the engine's time after the first
+    token (SpecStats.first_token_to_end_s). A resumed request's first token came on an
+    earlier engine, so it is not timed at all."""
+    from types import SimpleNamespace
+
+    class SlowEngine(FakeEngine):
+        def __init__(self, after_first_s: float, resumed: int = 0) -> None:
+            super().__init__()
+            self.after_first_s, self.resumed = after_first_s, resumed
+
+        def _result(self, req):
+            res = super()._result(req)
+            stats = replace(res.stats, first_token_to_end_s=self.after_first_s)
+            return replace(res, stats=replace(stats, resumed=self.resumed))
+
+        async def agenerate(self, req):
+            await asyncio.sleep(0.3)  # 0.1 s to the first token, 0.2 s after it
+            return await super().agenerate(req)
+
+    def observed(engine, run) -> list[float]:
+        shim = _shim(engine)
+        seen: list[float] = []
+        shim.metrics.ttft = SimpleNamespace(observe=seen.append)
+        asyncio.run(run(shim))
+        return seen
+
+    async def unary(shim):
+        await shim.Generate(CactusClient.request("x"), Ctx())
+
+    async def stream(shim):
+        await _collect(shim.GenerateStream(CactusClient.request("x"), Ctx()))
+
+    (ttft,) = observed(SlowEngine(after_first_s=0.2), unary)
+    assert 0.1 <= ttft < 0.25, ttft  # not the whole 0.3 s latency
+    (whole,) = observed(SlowEngine(after_first_s=0.0), unary)
+    assert whole >= 0.3
+    assert observed(SlowEngine(after_first_s=0.2, resumed=1), unary) == []
+    assert len(observed(SlowEngine(after_first_s=0.2), stream)) == 1
+
+
+def test_a_result_reports_the_engine_time_after_its_first_token():
+    import time
+
+    from cactus.params import SamplingParams
+    from workers.request import RequestState
+
+    class Tok:
+        def decode(self, ids, **_):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    state = RequestState(
+        GenerationRequest(
+            prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=3), request_id="r"
+        ),
+        [1, 2],
+        seed=0,
+        eos=None,
+        tokenizer=Tok(),
+        max_context=64,
+        sink=lambda chunk: None,
+    )
+    assert state.result().stats.first_token_to_end_s == 0.0  # no token yet
+    state.emit([])
+    assert state.first_token_at is None
+    state.emit([5])
+    first = state.first_token_at
+    assert first is not None
+    time.sleep(0.05)
+    state.emit([6, 7])
+    assert state.first_token_at == first and state.finish_reason == "LENGTH"
+    assert 0.05 <= state.result().stats.first_token_to_end_s < 5.0
