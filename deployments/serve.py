@@ -75,7 +75,12 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--port", type=int, default=None, help="gRPC port (overrides config)")
     parser.add_argument("--http-port", type=int, default=None, help="HTTP port (overrides config)")
-    parser.add_argument("--num-cpus", type=float, default=None, help="Ray CPUs (default: all)")
+    parser.add_argument(
+        "--num-cpus",
+        type=float,
+        default=None,
+        help="CPUs of the Ray head it starts (default: all; not when joining a cluster)",
+    )
     args = parser.parse_args(argv)
 
     from configs.schema import ConfigError, load_config
@@ -98,13 +103,28 @@ def main(argv=None) -> int:
 
     from deployments.app import build_app, start_serve
 
-    ray.init(
-        address=ray_address(),
-        num_cpus=args.num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    address = ray_address()
+    try:
+        ray.init(
+            address=address,
+            num_cpus=args.num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    except ValueError as err:
+        # Ray refuses num_cpus when it joins a cluster rather than start a head
+        if args.num_cpus is None or "num_cpus" not in str(err):
+            raise
+        joined = os.environ.get("RAY_ADDRESS") or "the one `ray start` recorded"
+        print(
+            f"config error: --num-cpus sets the CPUs of a Ray head this launcher starts, "
+            f"and it is joining an existing cluster ({joined}): leave --num-cpus out "
+            "(the cluster's own `ray start --num-cpus` counts), or run with "
+            "RAY_ADDRESS=local to start a head of its own",
+            file=sys.stderr,
+        )
+        return 2
     # After ray.init, which replaces a driver's SIGTERM handler with sys.exit: SIGTERM
     # (docker stop, Kubernetes, systemd) must drain as Ctrl-C and `make stop` do.
     stop = threading.Event()

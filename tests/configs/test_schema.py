@@ -159,3 +159,24 @@ def test_serve_reports_a_bad_config_and_exits_2(tmp_path, text, where):
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith("config error:") and where in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_serve_with_num_cpus_says_it_cannot_join_a_cluster_with_them(tmp_path):
+    """Ray refuses num_cpus when ray.init joins a cluster: the launcher says what to do
+    instead (exit 2, no traceback) rather than pass Ray's ValueError on. Ray checks this
+    before it dials the address, so no cluster has to run at 127.0.0.1:1."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.serve", "--num-cpus", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "config error: --num-cpus" in out.stderr and "RAY_ADDRESS=local" in out.stderr
+    assert "127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
