@@ -425,10 +425,26 @@ def config_rows(
     return rows
 
 
-def config_table() -> str:
-    lines = ["| key | meaning | default |", "|---|---|---|"]
+def _flow(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...")
+
+
+def config_table(shipped: Path = REPO / "configs" / "default.yaml") -> str:
+    """The table; its last column is what `make serve`'s config (`shipped`) sets where
+    that differs from the schema's default (a key it leaves out takes the default)."""
+    raw = yaml.safe_load(shipped.read_text()) or {}
+    lines = [
+        "| key | meaning | default | `make serve` (configs/default.yaml) |",
+        "|---|---|---|---|",
+    ]
     for path, text, default in config_rows():
-        lines.append(f"| `{path}` | {text} | `{default}` |")
+        node = raw
+        for part in path.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        shipped_value = _flow(node).strip() if node != {} else default
+        same = yaml.safe_load(shipped_value) == yaml.safe_load(default)
+        differs = "" if same else f"`{shipped_value}`"
+        lines.append(f"| `{path}` | {text} | `{default}` | {differs} |")
     return "\n".join(lines)
 
 

@@ -107,6 +107,33 @@ def test_the_readme_config_table_is_generated_from_the_models():
     assert readme_with_table(text) == text
 
 
+def test_the_config_table_shows_what_make_serve_sets_apart_from_the_defaults(tmp_path):
+    """The table's last column: a value of the shipped YAML that differs from the
+    schema's default (numerically equal ones, 0 for 0.0, and keys left out stay
+    blank), so a reader of the defaults sees what `make serve` runs with."""
+    from configs.schema import config_table
+
+    shipped = tmp_path / "shipped.yaml"
+    shipped.write_text(
+        "tp_size: 3\nlimits: {request_timeout_s: 0, max_queued_requests: 5}\n"
+        "speculation: {allowed_rules: [none, sps, cactus, cactus_exact, tas]}\n"
+    )
+    cells = {
+        line.split("|")[1].strip(" `"): line.split("|")[4].strip()
+        for line in config_table(shipped).splitlines()[2:]
+    }
+    assert {key: v for key, v in cells.items() if v} == {
+        "tp_size": "`3`",
+        "limits.max_queued_requests": "`5`",
+    }
+    shown = {
+        line.split("|")[1].strip(" `")
+        for line in config_table().splitlines()[2:]
+        if line.split("|")[4].strip()
+    }
+    assert "tp_size" in shown  # configs/default.yaml runs TP = 2 on one machine
+
+
 def test_every_field_is_described():
     from configs.schema import config_rows
 
