@@ -43,6 +43,9 @@ def chat_server(tmp_path_factory):
         "tp_size": 1,
         "grpc_port": port,
         "http_port": http_port,
+        # one failed gang restart and the replica gives up (the last test); the kill
+        # test's restart succeeds at its first attempt
+        "recovery": {"restart_attempts": 1},
     }
     with serving(config, root) as (proc, ready):
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)
@@ -198,3 +201,71 @@ def test_a_server_without_a_token_warns_that_auth_is_off(chat_server):
     out = "".join(proc.output)
     assert "WARNING: auth is off and the gRPC port is reachable from other hosts" in out
     assert "export CACTUS_AUTH_TOKEN=<token>" in out
+
+
+def _rank0_names(ray_address: str) -> list[str]:
+    """Names of the server's rank 0 actors: engine-<replica's group>.r<generation>-rank0."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False);"
+        "print('NAMES', *[e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
+        " if e['namespace'] == 'cactus' and e['name'].endswith('-rank0')])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, ray_address], capture_output=True, text=True, timeout=120
+    )
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("NAMES")]
+    assert line, out.stdout + out.stderr
+    return line[0].split()[1:]
+
+
+def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_server):
+    """README: after `recovery.restart_attempts` failed restarts the replica reports
+    itself unhealthy and Serve replaces it. Runs last on this server: its verifier
+    folder is moved away and rank 0 killed, so the gang restart fails for real (the new
+    rank cannot load its weights); a request then gets 503 (the engine is gone, not
+    restarting). With the folder back, Serve's health check replaces the replica: a new
+    engine group (a new rank 0 name, not the old group's next generation) serves."""
+    import httpx2
+
+    base_url, verifier_dir, ray_address, _ = chat_server
+    (before,) = _rank0_names(ray_address)
+    group = before.split(".r")[0]
+    away = verifier_dir.with_name("verifier-away")
+    verifier_dir.rename(away)
+    try:
+        with killer(ray_address) as kill:
+            kill("rank0")
+        deadline = time.monotonic() + 120
+        refused = None
+        while time.monotonic() < deadline:
+            try:
+                reply = _complete(base_url, "def f():")
+            except httpx2.HTTPError:
+                continue
+            if reply.status_code == 503:
+                refused = reply
+                break
+            time.sleep(1.0)
+        assert refused is not None, "the failed restart never made the engine unavailable"
+    finally:
+        away.rename(verifier_dir)
+    deadline = time.monotonic() + 240
+    served, seen = None, []
+    while time.monotonic() < deadline:
+        try:  # while no replica is up the proxy may hold the request
+            reply = _complete(base_url, "def f():")
+        except httpx2.HTTPError as err:
+            seen.append(repr(err))
+            continue
+        seen.append(reply.status_code)
+        if reply.status_code == 200:
+            served = reply
+            break
+        time.sleep(2.0)
+    assert served is not None, f"Serve did not bring a working replica back: {seen}"
+    assert served.json()["choices"][0]["finish_reason"] == "length", served.text
+    (after,) = _rank0_names(ray_address)
+    assert after.split(".r")[0] != group, (before, after)
