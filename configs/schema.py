@@ -395,6 +395,13 @@ def validate(c: ServeConfig) -> None:
 # ---- the README's config table, generated from the field descriptions ---------------
 
 
+def _flow(value) -> str:
+    """A value as one line of YAML (a tuple as a list)."""
+    value = list(value) if isinstance(value, tuple) else value
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000)
+    return text.strip().removesuffix("...").strip()
+
+
 def config_rows(
     model: type[BaseModel] | None = None, prefix: str = ""
 ) -> list[tuple[str, str, str]]:
@@ -408,25 +415,8 @@ def config_rows(
             rows.extend(config_rows(inner, path + "."))
             continue
         default = info.get_default(call_default_factory=True)
-        rows.append(
-            (
-                path,
-                info.description or "",
-                yaml.safe_dump(
-                    list(default) if isinstance(default, tuple) else default,
-                    default_flow_style=True,
-                    width=1000,
-                )
-                .strip()
-                .removesuffix("...")
-                .strip(),
-            )
-        )
+        rows.append((path, info.description or "", _flow(default)))
     return rows
-
-
-def _flow(value) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...")
 
 
 def config_table(shipped: Path = REPO / "configs" / "default.yaml") -> str:
@@ -441,7 +431,7 @@ def config_table(shipped: Path = REPO / "configs" / "default.yaml") -> str:
         node = raw
         for part in path.split("."):
             node = node.get(part, {}) if isinstance(node, dict) else {}
-        shipped_value = _flow(node).strip() if node != {} else default
+        shipped_value = _flow(node) if node != {} else default
         same = yaml.safe_load(shipped_value) == yaml.safe_load(default)
         differs = "" if same else f"`{shipped_value}`"
         lines.append(f"| `{path}` | {text} | `{default}` | {differs} |")
