@@ -15,6 +15,12 @@ class InvalidRequestError(CactusError, ValueError):
         self.field = field
         self.reason = message
 
+    def __reduce__(self):
+        # Rank 0 raises some of these (a request above the whole KV budget) and Ray
+        # pickles them to the replica; the default reduce would call __init__ with the
+        # one formatted message, fail to unpickle, and the caller would get INTERNAL.
+        return (type(self), (self.field, self.reason))
+
 
 class RequestCancelledError(CactusError):
     """The caller cancelled the request; its caches have been freed."""

@@ -94,6 +94,9 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = int(status), message, param, code
 
+    def __reduce__(self):  # picklable like every error that may cross a Ray boundary
+        return (type(self), (self.status, self.message, self.param, self.code))
+
     def body(self) -> dict:
         return {
             "error": {

@@ -49,6 +49,9 @@ class _RowFailure(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):  # picklable like every project error (tests/cactus/test_errors.py)
+        return (type(self), (self.code, self.message))
+
 
 class DraftServicer(pb_grpc.SpeculationServicer):
     def __init__(self, drafter: LocalDrafter, *, default_lease_s: float = 120.0) -> None:

@@ -37,6 +37,7 @@ LIMIT_S = 3.0
 MAX_TOKENS = 400
 TOKEN = "exported-token-42"
 KW = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "rule": "none"}
+KV_BUDGET = 768
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,9 @@ def timeout_server(tmp_path_factory):
         "grpc_port": port,
         "http_port": http_port,
         "limits": {"request_timeout_s": LIMIT_S},
+        # below the model's 1,024-token context, so one request can be too large for
+        # the KV budget while the replica's own checks pass it (the last test)
+        "batching": {"kv_budget_tokens": KV_BUDGET},
     }
     folder = tmp_path_factory.mktemp("timeout")
     with stale_ray_record() as (stale, dead):
@@ -166,3 +170,32 @@ def test_http_errors_through_serves_proxy_are_openai_shaped(timeout_server):
             assert error["message"] and (param is None or error["param"] == param), error
         body = {"model": "verifier", "prompt": "x", "max_tokens": 2, "response_format": None}
         assert http.post(f"{base}/completions", json=body).status_code == 200
+
+
+def test_a_request_above_the_whole_kv_budget_is_invalid_argument_on_both_apis(timeout_server):
+    """README: a request above the whole KV budget is refused at once, INVALID_ARGUMENT
+    on max_tokens naming the budget. Rank 0 decides it (only it knows the budget), so
+    its InvalidRequestError crosses Ray to the replica: it must arrive as itself, not as
+    Ray's stand-in for an exception it could not unpickle (which answered INTERNAL).
+    Then the server serves a request that fits."""
+    import httpx2
+
+    too_many = KV_BUDGET + 100  # with a one-token prompt: inside the context, above the budget
+    with pytest.raises(grpc.RpcError) as err:
+        timeout_server.client(token=TOKEN, retry=NO_RETRY).generate(
+            "x", max_tokens=too_many, rule="none"
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    details = err.value.details()
+    assert details.startswith("max_tokens:") and "batching.kv_budget_tokens" in details, details
+    reply = httpx2.post(
+        timeout_server.base_url + "/completions",
+        json={"model": "verifier", "prompt": "x", "max_tokens": too_many},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "max_tokens" and "kv_budget_tokens" in error["message"], error
+    served = timeout_server.client(token=TOKEN).generate("x", max_tokens=4, rule="none")
+    assert len(served.token_ids) == 4
