@@ -14,6 +14,7 @@ import time
 import ray
 
 from cactus.errors import RequestCancelledError
+from workers.processes import identity
 
 
 def _quiet_hf() -> None:
@@ -71,6 +72,7 @@ class DraftActor:
             "open_sessions": len(self.servicer.sessions),
             "cached_sequences": self.runner.num_sequences,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "process": identity(),
             "vocab_size": self.runner.vocab_size,
             "blocks_proposed": self.servicer.blocks_proposed,
         }
@@ -135,6 +137,7 @@ class VerifierRank:
         return {
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "process": identity(),
             "vocab_size": self.runner.vocab_size,
         }
 

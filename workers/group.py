@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers.processes import kill_process
 from workers.scheduler import SchedulerConfig
 
 NAMESPACE = "cactus"
@@ -112,6 +113,8 @@ class EngineGroup:
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
+        # "draft" / "ranks": (node id, process identity) of each actor, for _end
+        self._processes: dict = {}
         # replace_draft and restart_ranks run on the supervisor's threads: one at a time
         self._restarting = threading.Lock()
         self.rank_generation = 0  # bumped by every gang restart of the ranks
@@ -151,9 +154,9 @@ class EngineGroup:
             max_num_seqs=c.max_num_seqs,
         )
         self.draft_address = ray.get(self.draft.serve.remote(), timeout=c.start_timeout_s)
-        self.placement["draft"] = ray.get(self.draft.status.remote(), timeout=c.start_timeout_s)[
-            "node_id"
-        ]
+        status = ray.get(self.draft.status.remote(), timeout=c.start_timeout_s)
+        self.placement["draft"] = status["node_id"]
+        self._processes["draft"] = (status["node_id"], status["process"])
 
     def _start_ranks(self) -> None:
         from workers.actors import VerifierRank
@@ -205,6 +208,7 @@ class EngineGroup:
             timeout=timeout,
         )
         self.placement["ranks"] = [info["node_id"] for info in infos]
+        self._processes["ranks"] = [(info["node_id"], info["process"]) for info in infos]
 
     def replace_draft(self) -> None:
         """A new draft actor in the old one's bundle; rank 0 switches to it and re-opens
@@ -212,10 +216,17 @@ class EngineGroup:
         with self._restarting:
             self._replace_draft()
 
+    def _end(self, actor, where: tuple | None) -> None:
+        """ray.kill, then SIGKILL its process if it still runs (a stopped or wedged
+        process outlives ray.kill and holds its bundle: workers/processes.py)."""
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+        if where is not None:
+            kill_process(*where, timeout_s=self.config.rpc_timeout_s)
+
     def _replace_draft(self) -> None:
         old, self.draft = self.draft, None
-        with contextlib.suppress(Exception):
-            ray.kill(old)
+        self._end(old, self._processes.pop("draft", None))
         self.draft_generation += 1
         self._start_draft()
         ray.get(
@@ -231,9 +242,9 @@ class EngineGroup:
             self._restart_ranks()
 
     def _restart_ranks(self) -> None:
-        for actor in self.ranks:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        where = self._processes.pop("ranks", [])
+        for i, actor in enumerate(self.ranks):
+            self._end(actor, where[i] if i < len(where) else None)
         self.ranks, self.followers = [], []
         self.rank_generation += 1
         with contextlib.suppress(Exception):
@@ -315,18 +326,23 @@ class EngineGroup:
         if not self.ranks:
             return
         steps = [
-            lambda: ray.get(self.rank0.shutdown.remote(), timeout=30),
-            lambda: ray.get(self.followers, timeout=30),
-            lambda: ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=30),
-            lambda: ray.get(self.draft.shutdown.remote(), timeout=30),
+            ("ranks", lambda: ray.get(self.rank0.shutdown.remote(), timeout=30)),
+            ("ranks", lambda: ray.get(self.followers, timeout=30)),
+            ("ranks", lambda: ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=30)),
+            ("draft", lambda: ray.get(self.draft.shutdown.remote(), timeout=30)),
         ]
-        for step in steps:  # each best effort: a dead actor must not block the rest
-            with contextlib.suppress(RayError, GetTimeoutError, AttributeError):
+        failed = set()
+        for role, step in steps:  # each best effort: a dead actor must not block the rest
+            try:
                 step()
-        for actor in [*self.ranks, self.draft]:
-            if actor is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
+            except (RayError, GetTimeoutError, AttributeError):
+                failed.add(role)
+        # A role whose shutdown failed may be hung: its processes are ended for sure.
+        ranks = self._processes.pop("ranks", []) if "ranks" in failed else []
+        for i, actor in enumerate(self.ranks):
+            self._end(actor, ranks[i] if i < len(ranks) else None)
+        if self.draft is not None:
+            self._end(self.draft, self._processes.pop("draft", None) if "draft" in failed else None)
         if self.pg is not None and self.own_pg:
             remove_placement_group(self.pg)
         self.ranks, self.draft, self.pg = [], None, None

@@ -6,6 +6,7 @@ token lost or repeated (greedy streams equal their uninterrupted output)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import replace
 
@@ -202,4 +203,85 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
         print(f"rank {victim} killed: SERVING again after {back - killed:.1f} s")
         assert back - killed < 60.0
     finally:
+        group.shutdown()
+
+
+def test_hung_actors_are_declared_dead_by_their_probe(
+    ray_session, embedded_engine, heldout_prompts
+):
+    """README: an actor that does not answer a probe within `recovery.probe_timeout_s` is
+    dead. A process that hangs (SIGSTOP: alive to Ray, answering nothing) is treated as
+    one that died. Here the draft actor hangs first: it is replaced while the requests go
+    on degraded (health SERVING); then rank 0 hangs: the group restarts and the streams
+    resume. Greedy streams equal their uninterrupted output."""
+    import os
+    import signal
+
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
+    ).start()
+    probe_s = 2.0
+    sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=probe_s))
+    prompts = _prompts(embedded_engine, heldout_prompts[2:], 2)
+    reqs = [_req(p, f"hung{i}", temperature=0.0, max_tokens=600) for i, p in enumerate(prompts)]
+    stopped_pids: list[int] = []
+
+    def pid_of(actor) -> int:
+        return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+
+    async def hang(actor, counter: str, done) -> tuple[float, float]:
+        """SIGSTOP the actor's process: seconds until the supervisor acts on it, and
+        until `done()` (the actor replaced and working)."""
+        pid = pid_of(actor)
+        stopped_pids.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not sup.counters[counter] and time.monotonic() - stopped < 30:
+            await asyncio.sleep(0.02)
+        noticed = time.monotonic() - stopped
+        while not done() and time.monotonic() - stopped < 120:
+            await asyncio.sleep(0.05)
+        return noticed, time.monotonic() - stopped
+
+    def draft_working() -> bool:
+        return (
+            sup.degraded_since is None
+            and group.draft is not None
+            and ray.get(group.draft.status.remote())["blocks_proposed"] > 0
+        )
+
+    async def scenario():
+        chunks, tasks, health, stop, poll = _streams_under_watch(sup, reqs)
+        while not all(chunks):
+            await asyncio.sleep(0.01)
+        draft_s = await hang(group.draft, "draft_restarts", draft_working)
+        draft_health = list(health)
+        assert not any(t.done() for t in tasks), "the streams ended before rank 0 hung"
+        rank_s = await hang(group.ranks[0], "rank_restarts", lambda: sup.state == "SERVING")
+        await asyncio.gather(*tasks)
+        stop.set()
+        await poll
+        return chunks, health, draft_health, draft_s, rank_s
+
+    try:
+        chunks, health, draft_health, draft_s, rank_s = asyncio.run(scenario())
+        # noticed after the probe's timeout and a check period or two; replaced (a new
+        # process loads its model) in well under a minute, not after Ray's own
+        # start_timeout_s waiting for the hung process's bundle (workers/processes.py)
+        assert draft_s[0] < probe_s + 3.0 and rank_s[0] < probe_s + 3.0, (draft_s, rank_s)
+        assert draft_s[1] < 45.0 and rank_s[1] < 60.0, (draft_s, rank_s)
+        assert all(ok for ok, _, _ in draft_health)  # a hung draft: degraded, never down
+        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        _check_streams(reqs, chunks, embedded_engine)
+        for got in chunks:
+            stats = got[-1].result.stats
+            assert stats.degraded and stats.resumed >= 1
+        assert sup.counters["draft_restarts"] == 1 and sup.counters["rank_restarts"] == 1
+        assert sup.state == "SERVING"
+        print(f"hung draft: noticed, working again after {draft_s} s; hung rank 0: {rank_s} s")
+    finally:
+        for pid in stopped_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         group.shutdown()
