@@ -37,7 +37,9 @@ class RetryPolicy:
 
     def backoff(self, retry: int, rng: random.Random) -> float:
         """Full jitter: uniform in [0, min(max, initial * multiplier ** retry)]."""
-        cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**retry)
+        # the exponent is bounded: multiplier ** retry overflows a float near retry 1024
+        growth = self.multiplier ** min(retry, 64)
+        cap = min(self.max_backoff_s, self.initial_backoff_s * growth)
         return rng.uniform(0.0, cap)
 
 

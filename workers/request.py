@@ -20,13 +20,34 @@ from workers.policy import group_of
 
 VERIFY_SEED_SALT = 0x5EED_CAC7_0000_0001
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
+_RESUME_SALT = 0x2E5C_A11E_D5EE_D000
+_MASK64 = (1 << 64) - 1
 
 
 def derived_seed(seed: int, attempt: int) -> int:
     """Seed of the `attempt`-th continuation (0: the seed itself): a re-opened draft
-    session or a resumed request draws fresh numbers instead of replaying the first
-    ones at later positions."""
+    session or a resumed request (seeded by resumed_seed, below) draws fresh numbers
+    instead of replaying the first ones at later positions."""
     return seed if attempt == 0 else (seed + attempt * _GOLDEN) % (1 << 63)
+
+
+def resumed_seed(seed: int, attempt: int) -> int:
+    """Seed of a stream resumed at its `attempt`-th attempt (0: the seed itself). Hashed
+    rather than a step along derived_seed's sequence: the resumed request's draft
+    sessions are seeded derived_seed(this, epoch), which for this = derived_seed(seed,
+    attempt) would be the seed of an earlier attempt's re-opened draft session (attempt
+    1's first draft session would replay the draws of attempt 0's second)."""
+    if attempt == 0:
+        return seed
+    return _mix64((seed ^ _RESUME_SALT) + attempt * _GOLDEN) % (1 << 63)
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that scatters nearby ones."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from cactus.errors import (
     unwrap,
 )
 from cactus.params import GenerationRequest
-from workers.request import GenerationChunk, GenerationResult, derived_seed
+from workers.request import GenerationChunk, GenerationResult, resumed_seed
 
 logger = logging.getLogger("cactus.supervisor")
 
@@ -318,7 +318,7 @@ def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0, stat
         resume_stats=stats.as_dict() if stats is not None and sent else None,
     )
     if sent:  # new tokens from a fresh seed; the first ones are not drawn again
-        seed = derived_seed(request.sampling.seed, attempt)
+        seed = resumed_seed(request.sampling.seed, attempt)
         resumed = replace(resumed, sampling=replace(request.sampling, seed=seed))
     return resumed
 

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import random
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -177,7 +178,8 @@ def test_a_stream_is_never_retried_after_a_token(flaky):
 def test_backoff_is_full_jitter_under_the_cap():
     policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=1.0, multiplier=2.0)
     rng = random.Random(0)
-    for retry, cap in [(0, 0.1), (1, 0.2), (3, 0.8), (6, 1.0)]:
+    # far retries (a patient policy with a long deadline) stay at the cap, no overflow
+    for retry, cap in [(0, 0.1), (1, 0.2), (3, 0.8), (6, 1.0), (2000, 1.0), (10**6, 1.0)]:
         draws = [policy.backoff(retry, rng) for _ in range(200)]
         assert min(draws) >= 0.0 and max(draws) <= cap
         assert max(draws) > 0.8 * cap  # it does spread over the range
@@ -228,3 +230,89 @@ def test_every_attempt_carries_what_is_left_of_the_deadline_as_its_time_limit(fl
     servicer.limits.clear()
     asyncio.run(run())
     assert 6.0 < servicer.limits[0] <= 7.0 and servicer.limits[1] == 3.0
+
+
+def test_retries_stop_at_the_calls_deadline(flaky):
+    """README: the retries stay inside the call's deadline. Against a server that always
+    answers UNAVAILABLE, a policy that would otherwise retry for minutes (a million
+    attempts, backoff up to 0.2 s) ends a 1.5 s call at its deadline, after a bounded
+    number of attempts: unary and streaming, in both clients."""
+    servicer, address = flaky
+    servicer.failures = 10**9
+    patient = RetryPolicy(max_attempts=10**6, initial_backoff_s=0.05, max_backoff_s=0.2)
+    rng = random.Random(0)  # its pauses alone would add up to far more than the deadline
+    assert sum(patient.backoff(retry, rng) for retry in range(1000)) > 50.0
+    timeout = 1.5
+
+    def blocking(kind):
+        client = CactusClient(address, retry=patient, timeout=timeout)
+        try:
+            if kind == "generate":
+                client.generate("x")
+            else:
+                list(client.stream("x"))
+        except grpc.RpcError as err:
+            return err.code(), client.last_attempts
+        finally:
+            client.close()
+        raise AssertionError("the call succeeded against a server that always fails")
+
+    async def asyncio_client(kind):
+        client = AsyncCactusClient(address, retry=patient, timeout=timeout)
+        try:
+            if kind == "generate":
+                await client.generate("x")
+            else:
+                [c async for c in client.stream("x")]
+        except grpc.RpcError as err:
+            return err.code(), client.last_attempts
+        finally:
+            await client.close()
+        raise AssertionError("the call succeeded against a server that always fails")
+
+    calls = [
+        ("blocking generate", lambda: blocking("generate")),
+        ("blocking stream", lambda: blocking("stream")),
+        ("asyncio generate", lambda: asyncio.run(asyncio_client("generate"))),
+        ("asyncio stream", lambda: asyncio.run(asyncio_client("stream"))),
+    ]
+    for name, call in calls:
+        servicer.calls = 0
+        start = time.monotonic()
+        code, attempts = call()
+        elapsed = time.monotonic() - start
+        assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), name
+        # it retried (the first pause is at most 0.05 s) and gave up at the deadline: a
+        # retry is dropped only when its pause (<= 0.2 s) would end past the deadline
+        assert 2 <= servicer.calls < 200 and 2 <= attempts < 200, (name, servicer.calls)
+        assert timeout - 0.5 < elapsed < timeout + 3.5, (name, elapsed)
+
+
+def test_no_retry_makes_one_attempt_in_the_asyncio_client(flaky):
+    """README: `retry=NO_RETRY` turns retries off: the asyncio client's unary calls and
+    streams make exactly one attempt on UNAVAILABLE."""
+    servicer, address = flaky
+    servicer.failures = 10**9
+
+    async def run():
+        client = AsyncCactusClient(address, retry=NO_RETRY, timeout=10)
+        seen = []
+        try:
+            for call in (
+                lambda: client.generate("x"),
+                lambda: client.model_info(),
+                lambda: _drain(client.stream("x")),
+            ):
+                servicer.calls = 0
+                try:
+                    await call()
+                except grpc.RpcError as err:
+                    seen.append((err.code(), servicer.calls, client.last_attempts))
+        finally:
+            await client.close()
+        return seen
+
+    async def _drain(stream):
+        return [c async for c in stream]
+
+    assert asyncio.run(run()) == [(grpc.StatusCode.UNAVAILABLE, 1, 1)] * 3

@@ -380,3 +380,26 @@ def test_a_result_reports_the_engine_time_after_its_first_token():
     state.emit([6, 7])
     assert state.first_token_at == first and state.finish_reason == "LENGTH"
     assert 0.05 <= state.result().stats.first_token_to_end_s < 5.0
+
+
+def test_configured_temperature_and_k_fill_unset_fields(ray_session):
+    """README: `sampling.default_temperature` and
+    `speculation.default_num_speculative_tokens` are what a gRPC request that leaves the
+    field unset gets (unary and stream); a field that is set, temperature 0 included
+    (greedy), is kept."""
+    engine = FakeEngine()
+    shim = _shim(
+        engine,
+        sampling={"default_temperature": 0.3},
+        speculation={"default_num_speculative_tokens": 6},
+    )
+    asyncio.run(shim.Generate(CactusClient.request("def f():"), Ctx()))
+    req = engine.seen[-1]
+    assert req.sampling.temperature == 0.3 and req.speculation.num_speculative_tokens == 6
+    asyncio.run(_collect(shim.GenerateStream(CactusClient.request("def f():"), Ctx())))
+    req = engine.seen[-1]
+    assert req.sampling.temperature == 0.3 and req.speculation.num_speculative_tokens == 6
+    msg = CactusClient.request("def f():", temperature=0.0, num_speculative_tokens=2)
+    asyncio.run(shim.Generate(msg, Ctx()))
+    req = engine.seen[-1]
+    assert req.sampling.temperature == 0.0 and req.speculation.num_speculative_tokens == 2

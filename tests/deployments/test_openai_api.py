@@ -311,3 +311,100 @@ def test_a_model_is_retrieved_by_name_and_unknown_routes_are_openai_shaped(ray_s
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
         assert error["type"] == "invalid_request_error"
+
+
+def test_top_p_and_max_divergence_nats_reach_the_request(ray_session):
+    """README: `top_p` and the Cactus extra `max_divergence_nats` are accepted and reach
+    the engine's request (completions through the official client, chat as raw JSON);
+    left unset, top_p is 1 and there is no divergence budget."""
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    client = _client(app)
+    reply = asyncio.run(
+        client.completions.create(
+            model="verifier",
+            prompt="def f():",
+            max_tokens=3,
+            top_p=0.9,
+            extra_body={"max_divergence_nats": 0.75},
+        )
+    )
+    assert reply.choices[0].text == "abc"
+    req = shim.engine.seen[-1]
+    assert req.sampling.top_p == 0.9 and req.speculation.max_divergence_nats == 0.75
+    body = {"messages": [{"role": "user", "content": "hi"}], "top_p": 0.5}
+    body["max_divergence_nats"] = 0
+    reply = _raw(app, "POST", "/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    req = shim.engine.seen[-1]
+    assert req.sampling.top_p == 0.5 and req.speculation.max_divergence_nats == 0.0
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert reply.status_code == 200, reply.text
+    req = shim.engine.seen[-1]
+    assert req.sampling.top_p == 1.0 and req.speculation.max_divergence_nats is None
+
+
+def _events(reply) -> list[dict]:
+    """A stream's events, checked to end in `data: [DONE]`."""
+    data = [ln[len("data: ") :] for ln in reply.text.splitlines() if ln.startswith("data: ")]
+    assert reply.status_code == 200 and data[-1] == "[DONE]", reply.text
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_carries_a_usage_chunk_only_when_asked(ray_session, route):
+    """README: `stream_options.include_usage` adds a usage chunk (no choices, before
+    `[DONE]`); without it, or with it false, no chunk carries usage and the chunk with
+    the finish_reason is the last."""
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    if route.endswith("chat/completions"):
+        base = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    else:
+        base = {"prompt": "x", "stream": True}
+    for options in (None, {}, {"include_usage": False}):
+        body = base if options is None else {**base, "stream_options": options}
+        events = _events(_raw(app, "POST", route, json=body))
+        assert all("usage" not in e and len(e["choices"]) == 1 for e in events), events
+        finishes = [e["choices"][0]["finish_reason"] for e in events]
+        assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    asked = {**base, "stream_options": {"include_usage": True}}
+    events = _events(_raw(app, "POST", route, json=asked))
+    with_usage = [e for e in events if "usage" in e]
+    assert with_usage == [events[-1]] and events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_configured_temperature_and_k_fill_unset_http_fields(ray_session):
+    """README: `sampling.default_temperature` and
+    `speculation.default_num_speculative_tokens` are what an HTTP request that leaves
+    the field unset (or sends it as null) gets, on both routes; a field that is set,
+    temperature 0 included (greedy), is kept."""
+    shim, app = _app(
+        sampling={"default_temperature": 0.3},
+        speculation={"default_num_speculative_tokens": 6},
+    )
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for route, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/completions", {"prompt": "x", "temperature": None}),
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", {**chat, "stream": True}),
+    ):
+        reply = _raw(app, "POST", route, json=body)
+        assert reply.status_code == 200, reply.text
+        req = shim.engine.seen[-1]
+        assert req.sampling.temperature == 0.3, (route, body)
+        assert req.speculation.num_speculative_tokens == 6, (route, body)
+    for route, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", chat),
+    ):
+        reply = _raw(
+            app, "POST", route, json={**body, "temperature": 0, "num_speculative_tokens": 2}
+        )
+        assert reply.status_code == 200, reply.text
+        req = shim.engine.seen[-1]
+        assert req.sampling.temperature == 0.0 and req.speculation.num_speculative_tokens == 2

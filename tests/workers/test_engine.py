@@ -219,3 +219,64 @@ def test_rollback_on_embedded_verifier(embedded_engine):
         full = runner.model(input_ids=torch.tensor([ids[:14]]), use_cache=False).logits[0]
     runner.release("r")
     assert float((got - full[-5:].float()).abs().max()) < 1e-5
+
+
+class _Chars:
+    """Token i decodes to one character: enough for RequestState's detokeniser."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def _row(prompt_len, max_tokens, max_context, *, k=4, rule="cactus", resumed=0):
+    req = GenerationRequest(
+        prompt_token_ids=tuple(range(1, prompt_len + 1)),
+        request_id="row",
+        sampling=SamplingParams(max_tokens=max_tokens),
+        speculation=SpeculationParams(rule=rule, num_speculative_tokens=k),
+        resume_token_ids=tuple(range(50, 50 + resumed)),
+    )
+    return RequestState(
+        req,
+        list(req.prompt_token_ids),
+        seed=0,
+        eos=None,
+        tokenizer=_Chars(),
+        max_context=max_context,
+        sink=lambda _item: None,
+    )
+
+
+def _ks_to_the_end(state, max_context):
+    """The K a row may draft at each step until max_tokens or the context ends it, one
+    token a step; checks that no step could draft (k) and emit (k + 1) past either."""
+    ks = []
+    while state.finish_reason is None:
+        k = state.num_draft_tokens()
+        left = state.request.sampling.max_tokens - state.num_generated
+        assert 0 <= k <= state.request.speculation.num_speculative_tokens
+        assert k + 1 <= left and state.committed + k + 1 <= max_context, (k, left)
+        assert state.committed + k + 1 <= state.reserve_tokens  # its KV reservation
+        ks.append(k)
+        state.emit([7])
+    return ks
+
+
+def test_drafted_tokens_shrink_near_max_tokens_and_the_context_end():
+    """README: a row's K shrinks near max_tokens and the end of the context (a step
+    drafts k tokens and emits up to k + 1); rule none and a degraded row draft none."""
+    # prompt + max_tokens reaching max_context exactly (the most the validator allows)
+    assert _ks_to_the_end(_row(20, 10, 30), 30) == [4] * 6 + [3, 2, 1, 0]
+    # far from the context end: max_tokens alone shrinks it
+    assert _ks_to_the_end(_row(20, 8, 512), 512) == [4] * 4 + [3, 2, 1, 0]
+    # the row's own guard when the context ends first (prompt + max_tokens beyond it)
+    assert _ks_to_the_end(_row(20, 40, 26), 26) == [4, 4, 3, 2, 1, 0]
+    # a resumed row: the tokens sent before count towards max_tokens and the context
+    assert _ks_to_the_end(_row(20, 10, 30, resumed=6), 30) == [3, 2, 1, 0]
+    # a K smaller than the room is kept until the room is smaller
+    assert _ks_to_the_end(_row(5, 6, 11, k=2), 11) == [2, 2, 2, 2, 1, 0]
+    assert _ks_to_the_end(_row(20, 10, 30, rule="none"), 30) == [0] * 10
+    degraded = _row(20, 10, 30)
+    degraded.drafting = False  # the drafter failed
+    assert _ks_to_the_end(degraded, 30) == [0] * 10

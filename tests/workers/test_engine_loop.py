@@ -133,3 +133,101 @@ def test_the_batch_wait_is_validated():
 
     with pytest.raises(ValueError, match="batch_wait_ms"):
         SchedulerConfig(batch_wait_ms=-1.0)
+
+
+class _Done:
+    """A request's last chunk, as far as the loop's readers care."""
+
+    result = "done"
+
+
+class _StepCounter:
+    """An engine without a model: a request runs `steps` steps (a pinned one: until
+    `release` is set), and every step records when it ran and which requests it held."""
+
+    def __init__(self, steps: int = 1) -> None:
+        self.steps_per_request = steps
+        self.rows: dict = {}  # request -> [steps left or None, sink]
+        self.log: list[tuple[float, frozenset]] = []  # (time.monotonic(), requests)
+        self.release = threading.Event()
+
+    def has_work(self) -> bool:
+        return bool(self.rows)
+
+    def add_request(self, request, sink, cancelled=None) -> None:
+        self.rows[request] = [self.steps_per_request, sink]
+
+    def pin(self, request) -> None:
+        """A request that runs until `release` is set."""
+        self.rows[request] = [None, lambda _item: None]
+
+    def step(self) -> int:
+        time.sleep(0.001)  # a step takes some time; the loop must not spin the CPU
+        self.log.append((time.monotonic(), frozenset(self.rows)))
+        for request, row in list(self.rows.items()):
+            if row[0] is None:
+                done = self.release.is_set()
+            else:
+                row[0] -= 1
+                done = row[0] == 0
+            if done:
+                del self.rows[request]
+                row[1](_Done())
+        return len(self.log[-1][1])
+
+    def abort_all(self, err) -> None:
+        for _, sink in self.rows.values():
+            sink(err)
+        self.rows.clear()
+
+
+def test_a_busy_engine_never_waits_for_arrivals():
+    """README: a busy engine never waits. With a batch wait of a minute per arrival
+    (5 minutes in all), a request submitted while the engine is running another joins
+    the steps at once: it is in a step within seconds and the running request's steps
+    go on meanwhile."""
+    engine = _StepCounter(steps=2)
+    engine.pin("running")
+    loop = EngineLoop(engine, batch_wait_ms=60_000.0)
+    try:
+        started = time.monotonic()
+        while len(engine.log) < 3:  # the loop steps the running request
+            assert time.monotonic() - started < 30.0, "the loop does not step"
+            time.sleep(0.01)
+        submitted = time.monotonic()
+        out = loop.submit("late")
+        joined = None
+        while joined is None and time.monotonic() - submitted < 30.0:
+            joined = next((t for t, rows in list(engine.log) if "late" in rows), None)
+            time.sleep(0.01)
+        assert joined is not None and joined - submitted < 5.0, joined
+        assert list(out)[-1].result == "done"
+        # every step held the running request: its steps never paused for the arrival
+        assert all("running" in rows for _, rows in engine.log)
+        engine.release.set()
+    finally:
+        loop.shutdown()
+
+
+def test_an_idle_engines_wait_ends_after_five_batch_waits_under_continuous_arrivals():
+    """README: an idle engine that gets a request waits up to the batch wait for each
+    further arrival, 5 waits at most, before its first step. Requests arriving every
+    5 ms, far inside a 200 ms batch wait, would keep an uncapped wait going for as long
+    as they come (here up to 20 s); the first step comes after at most 5 x 200 ms, and
+    it holds the requests that came meanwhile."""
+    engine = _StepCounter(steps=1)
+    loop = EngineLoop(engine, batch_wait_ms=200.0)
+    outs = []
+    try:
+        first = time.monotonic()
+        while not engine.log and time.monotonic() - first < 20.0:
+            outs.append(loop.submit(f"r{len(outs)}"))
+            time.sleep(0.005)
+        assert engine.log, "no step while requests kept arriving"
+        stepped, rows = engine.log[0]
+        assert stepped - first < 3.0, stepped - first  # 1 s nominal, and margin
+        assert len(rows) >= 2  # it did wait for arrivals
+        for out in outs:
+            assert list(out)[-1].result == "done"
+    finally:
+        loop.shutdown()

@@ -7,7 +7,15 @@ from dataclasses import replace
 import pytest
 
 from cactus.errors import InvalidRequestError
-from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from cactus.params import (
+    GenerationRequest,
+    Limits,
+    SamplingParams,
+    SpeculationParams,
+    validate_request,
+)
+from workers.request import RequestState
+from workers.supervisor import _attempt
 
 
 def _req(prompt_ids, rid, **sampling):
@@ -120,3 +128,68 @@ def test_a_resumed_request_goes_on_from_its_statistics(embedded_engine, heldout_
     assert out.num_drafts >= 5 and out.num_draft_tokens >= 20 and out.draft_failures == 1
     assert out.accepted_per_position[0] >= 5 and out.degraded
     assert out.divergence_nats == pytest.approx(0.5, abs=1e-9)  # nothing more was spent
+
+
+# Seeds at the edges of the range a request may ask for (0 .. 2^64 - 1), and some others.
+SEEDS = (0, 1, 7, 2**63 - 1, 2**63, 2**64 - 1, 0x1234_5678_9ABC_DEF0, 0x9E37_79B9_7F4A_7C15)
+
+
+def test_a_resumed_stream_continues_from_a_derived_seed():
+    """README (recovery): a resumed stream goes on after the tokens it sent from a seed
+    derived from the request's, so no random draw is reused; a unary request (nothing
+    sent) runs again with its own seed. The derived seeds differ per attempt and from
+    the request's, are a function of (seed, attempt) alone, and are valid seeds."""
+    limits = Limits(max_context=512, vocab_size=1000)
+    for seed in SEEDS:
+        req = _req([5, 6, 7], "r", max_tokens=32, temperature=0.9, top_p=0.95, seed=seed)
+        assert _attempt(req, 0, None) is req
+        again = _attempt(req, 1, None)  # failed before sending anything: run it again
+        assert again.sampling == req.sampling and again.request_id == "r~1"
+        resumed = [_attempt(req, a, None, sent=(9, 10), sent_chars=2) for a in range(1, 9)]
+        seeds = [r.sampling.seed for r in resumed]
+        assert len(set(seeds)) == len(seeds) and seed not in seeds, (seed, seeds)
+        assert seeds == [_attempt(req, a, None, sent=(11,)).sampling.seed for a in range(1, 9)]
+        for attempt, r in enumerate(resumed, start=1):
+            assert r.request_id == f"r~{attempt}" and r.resume_token_ids == (9, 10)
+            # only the seed changes: the rest of the sampling parameters are the request's
+            assert replace(r.sampling, seed=seed) == req.sampling
+            validate_request(r, limits, prompt_len=3)
+
+
+class _Chars:
+    """Token i decodes to one character: enough for RequestState's detokeniser."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_no_generator_seed_of_an_earlier_attempt_is_used_again():
+    """workers/request.py: a re-opened draft session (a new drafter) or a resumed
+    request draws fresh numbers instead of replaying earlier ones at later positions.
+    Across resumed attempts (supervisor) and re-opened draft sessions within each
+    (engine), every torch generator a request's randomness comes from, the verifier's
+    acceptance draws and the drafter's, is seeded differently: e.g. a stream whose
+    drafter was replaced once and whose engine then failed does not draft with the
+    seed its replaced drafter's session had."""
+    for seed in SEEDS:
+        req = _req([5, 6, 7], "r", max_tokens=32, temperature=0.9, seed=seed)
+        verify, draft = [], []
+        for attempt in range(6):
+            inner = _attempt(req, attempt, None, sent=tuple(range(8, 8 + attempt)))
+            state = RequestState(  # as the engine admits it (its seed: the request's)
+                inner,
+                list(inner.prompt_token_ids),
+                seed=inner.sampling.seed,
+                eos=None,
+                tokenizer=_Chars(),
+                max_context=512,
+                sink=lambda _item: None,
+            )
+            verify.append(state.generator.initial_seed())
+            for epoch in range(6):  # the drafter replaced `epoch` times in this attempt
+                state.draft_epoch = epoch
+                draft.append(state.draft_seed)
+        assert len(set(verify)) == len(verify), (seed, verify)
+        assert len(set(draft)) == len(draft), (seed, sorted(draft))
+        assert not set(verify) & set(draft), seed
