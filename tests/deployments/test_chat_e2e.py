@@ -5,13 +5,18 @@ the prompt the template renders."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import re
 import shutil
 import threading
 import time
 
+import grpc
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.conftest import embedded_dirs
@@ -49,7 +54,8 @@ def chat_server(tmp_path_factory):
     }
     with serving(config, root) as (proc, ready):
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)
-        yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"], ray_address, proc
+        grpc_address = f"127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"], ray_address, grpc_address, proc
 
 
 def test_chat_completions_render_the_template_and_stream(chat_server, embedded_engine):
@@ -114,7 +120,7 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     waits for the restart and is served."""
     import httpx2
 
-    base_url, _, ray_address, _ = chat_server
+    base_url, _, ray_address, grpc_address, _ = chat_server
     prompt, max_tokens = heldout_prompts[9], 400
     want = embedded_engine.generate(
         GenerationRequest(
@@ -150,6 +156,19 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     def text() -> str:
         return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
 
+    # README (Standard services): a Watch sends the status now, then every change
+    watched: list[tuple[str, float]] = []
+    channel = grpc.insecure_channel(grpc_address)
+    watch_call = HealthStub(channel).Watch(HealthCheckRequest(service=""), timeout=600)
+
+    def watch():
+        with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+            for reply in watch_call:
+                name = HealthCheckResponse.ServingStatus.Name(reply.status)
+                watched.append((name, time.monotonic()))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     reader = threading.Thread(target=consume)
     with killer(ray_address) as kill:
         reader.start()
@@ -160,6 +179,7 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         while len(text()) < at_draft_kill + 40 and reader.is_alive():
             time.sleep(0.05)
         assert reader.is_alive(), "the stream ended before rank 0 was killed"
+        rank_killed = time.monotonic()
         kill("rank0")
         # a request that arrives while the ranks restart waits for them and is served
         late: list = []
@@ -181,6 +201,15 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     # and the server serves the next request normally
     reply = _complete(base_url, "def f():")
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+    # the open Watch saw the restart: SERVING, NOT_SERVING after the rank kill, SERVING
+    watch_call.cancel()
+    watcher.join(timeout=30)
+    channel.close()
+    states = [name for name, _ in watched]
+    assert states and states[0] == "SERVING" and states[-1] == "SERVING", watched
+    down = [at for name, at in watched if name == "NOT_SERVING"]
+    assert down and min(down) >= rank_killed, (watched, rank_killed)
+    assert all(a != b for a, b in itertools.pairwise(states)), states  # changes only
 
 
 def _complete(base_url: str, prompt: str):
@@ -230,7 +259,7 @@ def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_serv
     engine group (a new rank 0 name, not the old group's next generation) serves."""
     import httpx2
 
-    base_url, verifier_dir, ray_address, _ = chat_server
+    base_url, verifier_dir, ray_address, *_ = chat_server
     (before,) = _rank0_names(ray_address)
     group = before.split(".r")[0]
     away = verifier_dir.with_name("verifier-away")

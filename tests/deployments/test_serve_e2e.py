@@ -558,6 +558,44 @@ def test_the_asyncio_client_matches_the_blocking_one(server):
     assert health == "SERVING"
 
 
+def test_leaving_an_asyncio_stream_early_cancels_it_on_the_server(server, long_prompt):
+    """README (the client): leaving a `stream` loop early cancels the call in both
+    clients. For the asyncio client a `break` leaves its async generator suspended; its
+    finaliser (the event loop's async-generator hook) closes it, and the close cancels
+    the call. The request must then stop in the engine before the client is closed, as
+    the blocking client's does in test_cancel_mid_stream_frees_the_caches (three tries,
+    for the same Serve gap)."""
+    import asyncio
+
+    from client import AsyncCactusClient
+
+    async def leave_early() -> bool:
+        """Break out after 3 chunks; whether the caches are free while the client (its
+        channel) is still open, so only the break can have cancelled the call."""
+        client = AsyncCactusClient(server.address, token=TOKEN, timeout=120)
+        try:
+            seen = 0
+            async for _chunk in client.stream(long_prompt, time_limit_s=60.0, **CANCEL_KW):
+                seen += 1
+                if seen == 3:
+                    break
+            assert seen == 3
+            return await asyncio.to_thread(_caches_free, server, within_s=20.0)
+        finally:
+            await client.close()
+
+    lost = 0
+    for _ in range(3):
+        before = server.decode_steps()
+        if asyncio.run(leave_early()):
+            steps = server.decode_steps() - before
+            assert steps < CANCEL_TOKENS // 2, f"{steps} steps: the cancelled request ran on"
+            break
+        lost += 1
+        _assert_caches_freed(server, within_s=90.0)  # its time limit ends it
+    assert lost < 3, "no stream left early stopped in the engine"
+
+
 def test_the_quickstart_client_command_streams_from_the_server(server, capsys):
     """README Quickstart: `cactus client --prompt ... --stream` against the server."""
     from client.cli import main
@@ -830,8 +868,8 @@ def _scrape(server) -> dict[str, float]:
         position = re.search(r'position="(\d+)"', name_labels)
         if position:
             name = f"{name}[{position.group(1)}]"
-        reason = re.search(r'finish_reason="(\w+)"', name_labels)
-        if reason:  # also kept per finish reason: name{REASON}
+        reason = re.search(r'(?:finish_reason|actor)="(\w+)"', name_labels)
+        if reason:  # also kept per finish reason (or restarted actor): name{REASON}
             key = f"{name}{{{reason.group(1)}}}"
             samples[key] = samples.get(key, 0.0) + float(value)
         samples[name] = samples.get(name, 0.0) + float(value)
@@ -904,6 +942,14 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
     cancelled_drafts = total("cactus_cancelled_draft_tokens")
     assert 0 < total("cactus_cancelled_accepted_tokens") <= cancelled_drafts
     assert total("cactus_resumed_requests") >= 1 and total("cactus_draft_failures") >= 1
+    # the kill test killed the draft actor and a rank once each (README: by `actor`)
+    for actor in ("draft", "ranks"):
+        restarts = sum(
+            v
+            for k, v in samples.items()
+            if k.startswith("ray_cactus_engine_restarts") and k.endswith(f"{{{actor}}}")
+        )
+        assert restarts >= 1, (actor, {k: v for k, v in samples.items() if "restarts" in k})
     assert total("cactus_engine_serving") == 1
     trips = samples["ray_cactus_draft_round_trip_s_count"]  # one per ProposeBatch
     assert trips >= 1 and 0 < samples["ray_cactus_draft_round_trip_s_sum"] / trips < 5.0

@@ -171,12 +171,15 @@ def test_time_limit_ends_the_request(embedded_engine, heldout_prompts):
 
 
 def test_cancel_frees_caches(embedded_engine, heldout_prompts):
-    steps = iter(range(100))
+    """Cancelled after its first chunk, the request ends at the next step. (It used to
+    be cancelled at the third step and was unseeded: a sampled EOS in the first steps
+    ended it first, once in a full run. Seeded, the first chunk is never the last.)"""
+    cancel = []
     with pytest.raises(RequestCancelledError):
         for _ in embedded_engine.stream(
-            _req(heldout_prompts[0], max_tokens=64), cancelled=lambda: next(steps) >= 2
+            _req(heldout_prompts[0], max_tokens=64, seed=3), cancelled=lambda: bool(cancel)
         ):
-            pass
+            cancel.append(True)
     assert embedded_engine.verifier.runner.num_sequences == 0
     assert embedded_engine.drafter.runner.num_sequences == 0
 
