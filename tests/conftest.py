@@ -96,3 +96,26 @@ def ray_session(tmp_path_factory):
     )
     yield ray
     ray.shutdown()
+
+
+class CharTokenizer:
+    """Token i decodes to one letter: enough for RequestState's detokeniser."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def request_state(request, *, seed: int = 0, max_context: int = 512):
+    """A RequestState as the engine admits `request`, without a model."""
+    from workers.request import RequestState
+
+    return RequestState(
+        request,
+        list(request.prompt_token_ids),
+        seed=seed,
+        eos=None,
+        tokenizer=CharTokenizer(),
+        max_context=max_context,
+        sink=lambda _item: None,
+    )

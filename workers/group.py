@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.processes import kill_process
+from workers.processes import kill_processes
 from workers.scheduler import SchedulerConfig
 
 NAMESPACE = "cactus"
@@ -113,7 +113,7 @@ class EngineGroup:
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
-        # "draft" / "ranks": (node id, process identity) of each actor, for _end
+        # "draft" / "ranks": [(node id, process identity)] of their actors, for _end
         self._processes: dict = {}
         # replace_draft and restart_ranks run on the supervisor's threads: one at a time
         self._restarting = threading.Lock()
@@ -156,7 +156,7 @@ class EngineGroup:
         self.draft_address = ray.get(self.draft.serve.remote(), timeout=c.start_timeout_s)
         status = ray.get(self.draft.status.remote(), timeout=c.start_timeout_s)
         self.placement["draft"] = status["node_id"]
-        self._processes["draft"] = (status["node_id"], status["process"])
+        self._processes["draft"] = [(status["node_id"], status["process"])]
 
     def _start_ranks(self) -> None:
         from workers.actors import VerifierRank
@@ -216,17 +216,18 @@ class EngineGroup:
         with self._restarting:
             self._replace_draft()
 
-    def _end(self, actor, where: tuple | None) -> None:
-        """ray.kill, then SIGKILL its process if it still runs (a stopped or wedged
-        process outlives ray.kill and holds its bundle: workers/processes.py)."""
-        with contextlib.suppress(Exception):
-            ray.kill(actor)
-        if where is not None:
-            kill_process(*where, timeout_s=self.config.rpc_timeout_s)
+    def _end(self, actors: list, where: list) -> None:
+        """ray.kill each actor, then SIGKILL those of their processes (`where`: node id
+        and identity) that still run: a stopped or wedged process outlives ray.kill and
+        holds its bundle (workers/processes.py)."""
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        kill_processes(where, timeout_s=self.config.rpc_timeout_s)
 
     def _replace_draft(self) -> None:
         old, self.draft = self.draft, None
-        self._end(old, self._processes.pop("draft", None))
+        self._end([old], self._processes.pop("draft", []))
         self.draft_generation += 1
         self._start_draft()
         ray.get(
@@ -242,9 +243,7 @@ class EngineGroup:
             self._restart_ranks()
 
     def _restart_ranks(self) -> None:
-        where = self._processes.pop("ranks", [])
-        for i, actor in enumerate(self.ranks):
-            self._end(actor, where[i] if i < len(where) else None)
+        self._end(self.ranks, self._processes.pop("ranks", []))
         self.ranks, self.followers = [], []
         self.rank_generation += 1
         with contextlib.suppress(Exception):
@@ -338,11 +337,8 @@ class EngineGroup:
             except (RayError, GetTimeoutError, AttributeError):
                 failed.add(role)
         # A role whose shutdown failed may be hung: its processes are ended for sure.
-        ranks = self._processes.pop("ranks", []) if "ranks" in failed else []
-        for i, actor in enumerate(self.ranks):
-            self._end(actor, ranks[i] if i < len(ranks) else None)
-        if self.draft is not None:
-            self._end(self.draft, self._processes.pop("draft", None) if "draft" in failed else None)
+        where = [p for role in failed for p in self._processes.pop(role, [])]
+        self._end([a for a in (*self.ranks, self.draft) if a is not None], where)
         if self.pg is not None and self.own_pg:
             remove_placement_group(self.pg)
         self.ranks, self.draft, self.pg = [], None, None

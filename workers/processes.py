@@ -51,24 +51,36 @@ def sigkill_if_same(pid: int, start: int | None) -> bool:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _sigkill_on_node(pid: int, start: int | None) -> bool:
-    return sigkill_if_same(pid, start)
+def _sigkill_on_node(idents: list[dict]) -> int:
+    return sum(sigkill_if_same(i["pid"], i["start"]) for i in idents)
 
 
-def kill_process(node_id: str | None, ident: dict | None, *, timeout_s: float = 30.0) -> bool:
-    """SIGKILL the process `ident` (from `identity`) on node `node_id` if it still runs:
-    directly when it is this node, else by a zero-CPU task pinned to its node. True
-    when a process was killed; never raises."""
-    if not node_id or not ident:
-        return False
+def kill_processes(where: list[tuple[str | None, dict | None]], *, timeout_s: float = 30.0) -> int:
+    """SIGKILL each process (node id, `identity()`) that still runs: directly on this
+    node, else by one zero-CPU task per node, pinned to it, all at once. Returns how
+    many were killed; never raises."""
+    by_node: dict[str, list[dict]] = {}
+    for node_id, ident in where:
+        if node_id and ident:
+            by_node.setdefault(node_id, []).append(ident)
+    if not by_node:
+        return 0
+    killed, refs = 0, {}
     try:
-        if node_id == ray.get_runtime_context().get_node_id():
-            return sigkill_if_same(ident["pid"], ident["start"])
-        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        ref = _sigkill_on_node.options(scheduling_strategy=strategy).remote(
-            ident["pid"], ident["start"]
-        )
-        return bool(ray.get(ref, timeout=timeout_s))
-    except Exception:  # the node is gone with its processes, or unreachable
-        logger.warning("could not end process %s on node %s", ident, node_id, exc_info=True)
-        return False
+        here = ray.get_runtime_context().get_node_id()
+        for node_id, idents in by_node.items():
+            if node_id == here:
+                killed += sum(sigkill_if_same(i["pid"], i["start"]) for i in idents)
+            else:
+                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+                refs[node_id] = _sigkill_on_node.options(scheduling_strategy=strategy).remote(
+                    idents
+                )
+    except Exception:
+        logger.warning("could not end processes %s", by_node, exc_info=True)
+    for node_id, ref in refs.items():
+        try:
+            killed += ray.get(ref, timeout=timeout_s)
+        except Exception:  # the node is gone with its processes, or unreachable
+            logger.warning("could not end processes on node %s", node_id, exc_info=True)
+    return killed

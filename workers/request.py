@@ -25,9 +25,9 @@ _MASK64 = (1 << 64) - 1
 
 
 def derived_seed(seed: int, attempt: int) -> int:
-    """Seed of the `attempt`-th continuation (0: the seed itself): a re-opened draft
-    session or a resumed request (seeded by resumed_seed, below) draws fresh numbers
-    instead of replaying the first ones at later positions."""
+    """Seed of a request's `attempt`-th draft session (0: the seed itself): a re-opened
+    draft session draws fresh numbers instead of replaying the first ones at later
+    positions. (A resumed request takes resumed_seed, below.)"""
     return seed if attempt == 0 else (seed + attempt * _GOLDEN) % (1 << 63)
 
 

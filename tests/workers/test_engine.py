@@ -9,6 +9,7 @@ import torch
 
 from cactus.errors import InvalidRequestError, RequestCancelledError
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.conftest import request_state
 from workers.engine import SpeculativeEngine
 from workers.request import RequestState
 
@@ -224,14 +225,6 @@ def test_rollback_on_embedded_verifier(embedded_engine):
     assert float((got - full[-5:].float()).abs().max()) < 1e-5
 
 
-class _Chars:
-    """Token i decodes to one character: enough for RequestState's detokeniser."""
-
-    @staticmethod
-    def decode(ids, skip_special_tokens=True):
-        return "".join(chr(97 + t % 26) for t in ids)
-
-
 def _row(prompt_len, max_tokens, max_context, *, k=4, rule="cactus", resumed=0):
     req = GenerationRequest(
         prompt_token_ids=tuple(range(1, prompt_len + 1)),
@@ -240,15 +233,7 @@ def _row(prompt_len, max_tokens, max_context, *, k=4, rule="cactus", resumed=0):
         speculation=SpeculationParams(rule=rule, num_speculative_tokens=k),
         resume_token_ids=tuple(range(50, 50 + resumed)),
     )
-    return RequestState(
-        req,
-        list(req.prompt_token_ids),
-        seed=0,
-        eos=None,
-        tokenizer=_Chars(),
-        max_context=max_context,
-        sink=lambda _item: None,
-    )
+    return request_state(req, max_context=max_context)
 
 
 def _ks_to_the_end(state, max_context):

@@ -14,7 +14,7 @@ from cactus.params import (
     SpeculationParams,
     validate_request,
 )
-from workers.request import RequestState
+from tests.conftest import request_state
 from workers.supervisor import _attempt
 
 
@@ -156,14 +156,6 @@ def test_a_resumed_stream_continues_from_a_derived_seed():
             validate_request(r, limits, prompt_len=3)
 
 
-class _Chars:
-    """Token i decodes to one character: enough for RequestState's detokeniser."""
-
-    @staticmethod
-    def decode(ids, skip_special_tokens=True):
-        return "".join(chr(97 + t % 26) for t in ids)
-
-
 def test_no_generator_seed_of_an_earlier_attempt_is_used_again():
     """workers/request.py: a re-opened draft session (a new drafter) or a resumed
     request draws fresh numbers instead of replaying earlier ones at later positions.
@@ -177,15 +169,8 @@ def test_no_generator_seed_of_an_earlier_attempt_is_used_again():
         verify, draft = [], []
         for attempt in range(6):
             inner = _attempt(req, attempt, None, sent=tuple(range(8, 8 + attempt)))
-            state = RequestState(  # as the engine admits it (its seed: the request's)
-                inner,
-                list(inner.prompt_token_ids),
-                seed=inner.sampling.seed,
-                eos=None,
-                tokenizer=_Chars(),
-                max_context=512,
-                sink=lambda _item: None,
-            )
+            # as the engine admits it (its seed: the request's)
+            state = request_state(inner, seed=inner.sampling.seed)
             verify.append(state.generator.initial_seed())
             for epoch in range(6):  # the drafter replaced `epoch` times in this attempt
                 state.draft_epoch = epoch
