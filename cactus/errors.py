@@ -34,6 +34,11 @@ class WorkerUnavailableError(CactusError):
     """A draft actor or verifier rank is down or draining."""
 
 
+class ServerShuttingDownError(WorkerUnavailableError):
+    """The replica is being stopped and the request was still running when its drain
+    time was up (deployments/drain.py). The message says so; clients retry elsewhere."""
+
+
 class EngineFailedError(WorkerUnavailableError):
     """A verifier rank died or the tensor-parallel group broke: the engine must be torn
     down and rebuilt (workers/supervisor.py); its requests are resumed on the new one."""

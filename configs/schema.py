@@ -179,7 +179,9 @@ class RecoveryConfig(_Model):
         "the longest a request waits for a restart (its own deadline may be shorter)", 120.0
     )
     drain_timeout_s: Float = doc(
-        "on scale-down and shutdown, how long running streams may take to finish", 30.0
+        "on scale-down and shutdown, how long running streams may take to finish (on "
+        "shutdown, those still running then end with UNAVAILABLE)",
+        30.0,
     )
 
 

@@ -7,6 +7,7 @@ import os
 from ray import serve
 
 from configs.schema import ServeConfig, to_dict
+from deployments.drain import CUT_MARGIN_S
 from deployments.ingress import CactusIngress, group_config
 
 GRPC_SERVICERS = [
@@ -27,8 +28,10 @@ def replica_bundles(config: ServeConfig) -> list[dict]:
     return [replica, *engine_bundles(group_config(config))]
 
 
-def build_app(config: ServeConfig, *, engine=None):
-    """The ingress deployment bound to its config (engine: inject one for shim tests)."""
+def deployment_options(config: ServeConfig, *, own_engine: bool = True) -> dict:
+    """Serve's options for the ingress deployment, from the typed config: queue bounds,
+    the drain on scale-down and shutdown, the replica's placement group (when it starts
+    its own engine actors) and its replica count or autoscaling."""
     a, lim = config.autoscaling, config.limits
     options = {
         "name": "CactusIngress",
@@ -37,11 +40,13 @@ def build_app(config: ServeConfig, *, engine=None):
         "ray_actor_options": {"num_cpus": config.resources.replica.num_cpus},
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
-        # Scale-down and shutdown: no new requests, running streams get this long.
+        # Scale-down and shutdown: no new requests, running streams get drain_timeout_s;
+        # on shutdown the replica then ends what still runs with UNAVAILABLE, and
+        # Serve's kill comes CUT_MARGIN_S later (deployments/drain.py).
         "graceful_shutdown_wait_loop_s": 1.0,
-        "graceful_shutdown_timeout_s": config.recovery.drain_timeout_s,
+        "graceful_shutdown_timeout_s": config.recovery.drain_timeout_s + CUT_MARGIN_S,
     }
-    if engine is None:
+    if own_engine:
         options["placement_group_bundles"] = replica_bundles(config)
         options["placement_group_strategy"] = config.resources.placement_strategy
     if a.max_replicas > a.min_replicas:
@@ -56,6 +61,12 @@ def build_app(config: ServeConfig, *, engine=None):
         }
     else:
         options["num_replicas"] = a.min_replicas
+    return options
+
+
+def build_app(config: ServeConfig, *, engine=None):
+    """The ingress deployment bound to its config (engine: inject one for shim tests)."""
+    options = deployment_options(config, own_engine=engine is None)
     # gRPC methods by name, and the OpenAI HTTP routes built per replica
     # (CactusIngress.__serve_build_asgi_app__, Serve's late-bound FastAPI ingress).
     deployment = serve.deployment(serve.ingress()(CactusIngress)).options(**options)

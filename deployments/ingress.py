@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import secrets
@@ -29,7 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from cactus.errors import InvalidRequestError, is_unavailable, unwrap
+from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
 from cactus.params import (
     GenerationRequest,
     Limits,
@@ -38,6 +39,7 @@ from cactus.params import (
     validate_request,
 )
 from configs.schema import ServeConfig, from_dict
+from deployments.drain import DrainingEngine, application_deleting
 from deployments.metrics import ServiceMetrics
 from protos.cactus.v1 import cactus_pb2 as pb
 
@@ -191,7 +193,16 @@ class CactusIngress:
 
     def __init__(self, config: dict, engine=None) -> None:
         self.config = from_dict(config)
-        self.engine = engine if engine is not None else self._start_engine()
+        deleting = None
+        if engine is None:  # a real replica: end the drain with a status (deployments/drain)
+            from ray import serve
+
+            deleting = functools.partial(application_deleting, serve.get_replica_context().app_name)
+        self.engine = DrainingEngine(
+            engine if engine is not None else self._start_engine(),
+            drain_s=self.config.recovery.drain_timeout_s,
+            deleting=deleting,
+        )
         info = self.engine.model_info()
         self.info = info
         self.limits = limits_from(
@@ -270,6 +281,8 @@ class CactusIngress:
             code, details = err.code, err.details
         elif isinstance(err, InvalidRequestError):
             code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+        elif isinstance(err, ServerShuttingDownError):
+            code, details = grpc.StatusCode.UNAVAILABLE, str(err)
         elif is_unavailable(err):  # cactus.errors decides, for every layer
             code, details = grpc.StatusCode.UNAVAILABLE, "engine unavailable; retry later"
         else:  # a bug: log it here, tell the client only that it happened

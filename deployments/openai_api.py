@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cactus.errors import InvalidRequestError, is_unavailable, unwrap
+from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
 from cactus.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, SpeculationParams
 
 FINISH = {
@@ -119,6 +119,8 @@ def as_openai_error(err: BaseException, request_id: str = "") -> OpenAIError:
     if isinstance(code, grpc.StatusCode):  # the shim's RequestError
         status = _STATUS.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
         return OpenAIError(status, getattr(err, "details", str(err)))
+    if isinstance(err, ServerShuttingDownError):
+        return OpenAIError(503, str(err))
     if is_unavailable(err):
         return OpenAIError(503, "engine unavailable; retry later")
     return OpenAIError(500, f"internal error (request {request_id})")

@@ -27,6 +27,21 @@ def _quiet_hf() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _whereabouts() -> dict:
+    """Where an engine actor runs and how (its status): node, process (pid and start
+    time, for workers/processes.py), actor id and the torch intra-op threads it
+    computes with (`resources.threads_per_actor`)."""
+    import torch
+
+    context = ray.get_runtime_context()
+    return {
+        "node_id": context.get_node_id(),
+        "process": identity(),
+        "actor_id": context.get_actor_id(),
+        "threads": torch.get_num_threads(),
+    }
+
+
 @ray.remote
 class DraftActor:
     """Hosts the draft model and serves the speculation service on its node's address."""
@@ -69,10 +84,9 @@ class DraftActor:
 
     async def status(self) -> dict:
         return {
+            **_whereabouts(),
             "open_sessions": len(self.servicer.sessions),
             "cached_sequences": self.runner.num_sequences,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "process": identity(),
             "vocab_size": self.runner.vocab_size,
             "blocks_proposed": self.servicer.blocks_proposed,
         }
@@ -134,12 +148,10 @@ class VerifierRank:
             max_num_seqs=max_num_seqs,
             kv_budget_tokens=kv_budget_tokens,
         )
-        return {
-            "rank": self.rank,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "process": identity(),
-            "vocab_size": self.runner.vocab_size,
-        }
+        return {**self.status(), "vocab_size": self.runner.vocab_size}
+
+    def status(self) -> dict:
+        return {"rank": self.rank, **_whereabouts()}
 
     def follow(self) -> int:
         """Ranks >= 1: replay rank 0's cache operations until shutdown."""

@@ -55,10 +55,15 @@ def _sigkill_on_node(idents: list[dict]) -> int:
     return sum(sigkill_if_same(i["pid"], i["start"]) for i in idents)
 
 
-def kill_processes(where: list[tuple[str | None, dict | None]], *, timeout_s: float = 30.0) -> int:
+def kill_processes(
+    where: list[tuple[str | None, dict | None]],
+    *,
+    timeout_s: float = 30.0,
+    here: str | None = None,
+) -> int:
     """SIGKILL each process (node id, `identity()`) that still runs: directly on this
-    node, else by one zero-CPU task per node, pinned to it, all at once. Returns how
-    many were killed; never raises."""
+    node (`here`, by default this process's), else by one zero-CPU task per node,
+    pinned to it, all at once. Returns how many were killed; never raises."""
     by_node: dict[str, list[dict]] = {}
     for node_id, ident in where:
         if node_id and ident:
@@ -67,7 +72,7 @@ def kill_processes(where: list[tuple[str | None, dict | None]], *, timeout_s: fl
         return 0
     killed, refs = 0, {}
     try:
-        here = ray.get_runtime_context().get_node_id()
+        here = here or ray.get_runtime_context().get_node_id()
         for node_id, idents in by_node.items():
             if node_id == here:
                 killed += sum(sigkill_if_same(i["pid"], i["start"]) for i in idents)

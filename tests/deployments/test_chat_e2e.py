@@ -10,6 +10,7 @@ import itertools
 import json
 import re
 import shutil
+import signal
 import threading
 import time
 
@@ -24,6 +25,7 @@ from tests.deployments.test_serve_e2e import killer, serving
 from workers.tp_verifier import free_port
 
 pytestmark = pytest.mark.slow
+DRAIN_S = 5.0
 TEMPLATE = (
     "{% for m in messages %}### {{ m.role }}\n{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}### assistant\n{% endif %}"
@@ -48,9 +50,9 @@ def chat_server(tmp_path_factory):
         "tp_size": 1,
         "grpc_port": port,
         "http_port": http_port,
-        # one failed gang restart and the replica gives up (the last test); the kill
-        # test's restart succeeds at its first attempt
-        "recovery": {"restart_attempts": 1},
+        # one failed gang restart and the replica gives up (the replacement test); the
+        # kill test's restart succeeds at its first attempt; a short drain (the last test)
+        "recovery": {"restart_attempts": 1, "drain_timeout_s": DRAIN_S},
     }
     with serving(config, root) as (proc, ready):
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)
@@ -298,3 +300,89 @@ def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_serv
     assert served.json()["choices"][0]["finish_reason"] == "length", served.text
     (after,) = _rank0_names(ray_address)
     assert after.split(".r")[0] != group, (before, after)
+
+
+def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
+    chat_server, heldout_prompts
+):
+    """README: on Ctrl-C (SIGINT, as `make stop` sends) the server drains: running
+    streams get `recovery.drain_timeout_s` to finish; one still running then ends with
+    UNAVAILABLE and a message saying the server is shutting down (an error event with
+    status 503 over HTTP), after the tokens already sent; the process exits 0. Runs
+    last: it stops this module's server (drain_timeout_s 5 s). A 40-token gRPC stream
+    running at the signal ends normally with every token; an 800-token plain stream
+    (about 20 s here) over gRPC and one over HTTP are cut after the drain time, not
+    before it and not at their end. Before deployments/drain.py Serve's kill cut them
+    and the proxy said INTERNAL ("The actor died unexpectedly")."""
+    import httpx2
+
+    from client import NO_RETRY, CactusClient
+
+    base_url, *_, grpc_address, proc = chat_server
+    prompt = heldout_prompts[9]
+    results: dict[str, list] = {"short": [], "long": [], "http": []}
+    ended: dict[str, tuple] = {}
+
+    def consume(name: str, max_tokens: int) -> None:
+        client = CactusClient(grpc_address, timeout=120, retry=NO_RETRY)
+        status = None
+        try:
+            for chunk in client.stream(prompt, max_tokens=max_tokens, temperature=0.0, rule="none"):
+                results[name].append(chunk)
+        except grpc.RpcError as err:
+            status = err
+        ended[name] = (time.monotonic(), status)
+
+    def consume_http() -> None:
+        body = {"model": "verifier", "prompt": prompt, "max_tokens": 800, "stream": True}
+        body |= {"temperature": 0.0, "rule": "none"}
+        with (
+            httpx2.Client(timeout=120) as http,
+            http.stream("POST", f"{base_url}/completions", json=body) as reply,
+        ):
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    results["http"].append(line[len("data: ") :])
+        ended["http"] = (time.monotonic(), reply.status_code)
+
+    threads = [
+        threading.Thread(target=consume, args=("long", 800)),
+        threading.Thread(target=consume_http),
+        threading.Thread(target=consume, args=("short", 40)),
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(results.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(results.values()), ended
+    proc.send_signal(signal.SIGINT)
+    signalled = time.monotonic()
+    for t in threads:
+        t.join(timeout=120)
+    short_at, short_status = ended["short"]
+    assert short_status is None, short_status
+    assert results["short"][-1].finish_reason == "LENGTH"
+    assert sum(len(c.token_ids) for c in results["short"]) == 40
+    long_at, status = ended["long"]
+    got = sum(len(c.token_ids) for c in results["long"])
+    http_at, http_status = ended["http"]
+    print(
+        f"SIGINT: short stream ended after {short_at - signalled:.1f} s; long gRPC stream "
+        f"after {long_at - signalled:.1f} s with {got} tokens and "
+        f"{status.code() if status else None}: {status.details() if status else None}; "
+        f"HTTP stream after {http_at - signalled:.1f} s: {results['http'][-2:]}"
+    )
+    assert status is not None, results["long"][-1]
+    assert status.code() == grpc.StatusCode.UNAVAILABLE, (status.code(), status.details())
+    assert "shutting down" in status.details() and "drain_timeout_s = 5" in status.details()
+    assert 0 < got < 800
+    # given the drain time (not cut at once), and ended at its end (not at the stream's)
+    for at in (long_at, http_at):
+        assert DRAIN_S - 0.5 <= at - signalled < DRAIN_S + 20, at - signalled
+    assert http_status == 200 and results["http"][-1] == "[DONE]"
+    error = json.loads(results["http"][-2])["error"]
+    assert "shutting down" in error["message"] and error["type"] == "server_error", error
+    texts = [json.loads(e)["choices"][0]["text"] for e in results["http"][:-2]]
+    assert "".join(texts), "no tokens arrived before the cut"
+    assert proc.wait(timeout=120) == 0

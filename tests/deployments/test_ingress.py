@@ -236,6 +236,41 @@ def test_the_replica_reserves_each_engine_actor_once():
     assert bundles[1:] == engine_bundles(group_config(config))
 
 
+def test_config_keys_reach_serve_and_the_engine_group():
+    """Keys whose effect no served test shows on one machine reach their consumer:
+    placement strategy, drain, queue bounds and autoscaling become the deployment's
+    Serve options, threads / shm all-reduce / start timeout / batching the engine's."""
+    from deployments.app import deployment_options
+    from deployments.drain import CUT_MARGIN_S
+    from deployments.ingress import group_config
+
+    config = from_dict(
+        {
+            "shm_allreduce": True,
+            "resources": {"placement_strategy": "STRICT_SPREAD", "threads_per_actor": 3},
+            "recovery": {"drain_timeout_s": 7.5},
+            "limits": {"start_timeout_s": 42.0, "max_queued_requests": 5},
+            "autoscaling": {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 9.0},
+            "batching": {"max_num_seqs": 6, "batch_wait_ms": 1.5},
+        }
+    )
+    options = deployment_options(config)
+    assert options["placement_group_strategy"] == "STRICT_SPREAD"
+    assert options["placement_group_bundles"][0] == {"CPU": config.resources.replica.num_cpus}
+    assert options["graceful_shutdown_timeout_s"] == 7.5 + CUT_MARGIN_S  # deployments/drain
+    assert options["max_queued_requests"] == 5
+    assert options["autoscaling_config"]["max_replicas"] == 3
+    assert options["autoscaling_config"]["downscale_delay_s"] == 9.0
+    assert "num_replicas" not in options
+    # an injected engine (the shim tests) reserves no engine bundles
+    assert "placement_group_bundles" not in deployment_options(config, own_engine=False)
+    fixed = from_dict({"autoscaling": {"min_replicas": 2, "max_replicas": 2}})
+    assert deployment_options(fixed)["num_replicas"] == 2
+    group = group_config(config)
+    assert (group.threads, group.shm_allreduce, group.start_timeout_s) == (3, True, 42.0)
+    assert (group.max_num_seqs, group.batch_wait_ms) == (6, 1.5)
+
+
 def test_the_launcher_hands_an_exported_token_to_every_replica(monkeypatch):
     """`make serve` with CACTUS_AUTH_TOKEN exported: the token goes into the replica's
     config (a replica on another node does not see the launcher's environment)."""
@@ -252,6 +287,11 @@ def test_the_launcher_hands_an_exported_token_to_every_replica(monkeypatch):
     assert with_resolved_token(config).auth.resolved_token() is None
     own = from_dict({**to_dict(config), "auth": {"token": "cfg"}})
     assert with_resolved_token(own).auth.token == "cfg"
+    # auth.token_env names the variable read: that one, not CACTUS_AUTH_TOKEN
+    named = from_dict({**to_dict(config), "auth": {"token_env": "MY_TEAM_TOKEN"}})
+    monkeypatch.setenv("CACTUS_AUTH_TOKEN", "not-this-one")
+    monkeypatch.setenv("MY_TEAM_TOKEN", "team")
+    assert with_resolved_token(named).auth.token == "team"
 
 
 def test_latency_bookkeeping_stays_bounded_when_clients_go_away(ray_session):

@@ -36,6 +36,7 @@ TOKEN = "test-token-0123"
 class Server:
     def __init__(self, proc, address, ray_address, http_port=None):
         self.proc, self.address, self.ray_address = proc, address, ray_address
+        self.http_port = http_port
         self.base_url = f"http://127.0.0.1:{http_port}/v1"
 
     def openai(self, token=TOKEN):
@@ -159,6 +160,15 @@ def test_the_ready_banner_says_where_it_listens(server):
         r"OpenAI HTTP on 127\.0\.0\.1:\d+ \(base_url http://127\.0\.0\.1:\d+/v1\)", out
     )
     assert "auth is off" not in out
+    # and the sockets say the same: HTTP on http_host only, gRPC on the wildcard address
+    import psutil
+
+    listening: dict[int, set[str]] = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN:
+            listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip)
+    assert listening.get(server.http_port) == {"127.0.0.1"}, listening.get(server.http_port)
+    assert listening.get(int(port)) and listening[int(port)] <= {"::", "0.0.0.0"}, listening
 
 
 def test_health_and_model_info(server):

@@ -51,3 +51,24 @@ def test_kill_processes_ends_stopped_processes_on_this_node(ray_session):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_kill_processes_ends_processes_of_another_node_by_a_task_pinned_there(ray_session):
+    """The path for an actor on another node (a multi-node cluster): told that it runs
+    elsewhere, kill_processes must not signal the processes itself but send one task,
+    pinned to their node, which checks each identity there and kills."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    procs = [_stopped_child() for _ in range(2)]
+    try:
+        ident = [{"pid": p.pid, "start": _start_time(p.pid)} for p in procs]
+        reused = {"pid": procs[0].pid, "start": ident[0]["start"] + 1}  # left alone
+        where = [(node, reused), (node, ident[0]), (node, ident[1])]
+        assert kill_processes(where, here="another-node") == 2
+        assert all(p.wait(timeout=10) == -signal.SIGKILL for p in procs)
+        assert kill_processes(where, here="another-node") == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -76,6 +76,23 @@ def _check_streams(reqs, chunks, engine) -> None:
             )
 
 
+def _bundle(actor) -> tuple[str, int]:
+    """(placement group id, bundle index) an engine actor was scheduled into: an actor
+    in bundle i of group g holds the resource `bundle_group_i_g`. Read in the actor
+    from its core worker (private: the state API needs the dashboard, which the test
+    session does not start)."""
+    import re
+
+    def held(self) -> list[str]:
+        import ray
+
+        return list(ray._private.worker.global_worker.core_worker.resource_ids())
+
+    names = ray.get(actor.__ray_call__.remote(held))
+    (found,) = [m for k in names if (m := re.fullmatch(r"bundle_group_(\d+)_(\w+)", k))]
+    return found.group(2), int(found.group(1))
+
+
 def _prompts(engine, texts, n):
     return [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts[:n]]
 
@@ -92,10 +109,17 @@ def test_one_place_classifies_engine_failures():
 def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
     ray_session, embedded_engine, heldout_prompts
 ):
+    """README: the new draft actor starts in the same bundle (nothing is reserved
+    again) and computes with `resources.threads_per_actor` threads, as rank 0 does."""
     verifier, draft = embedded_dirs()
     group = EngineGroup(
-        GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
+        GroupConfig(
+            verifier, draft, tp_size=1, rpc_timeout_s=5, speculation_policy="fixed", threads=2
+        )
     ).start()
+    first = ray.get(group.draft.status.remote())
+    assert first["threads"] == 2 and ray.get(group.ranks[0].status.remote())["threads"] == 2
+    assert _bundle(group.draft) == (group.pg.id.hex(), 0)
     sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5))
     prompts = _prompts(embedded_engine, heldout_prompts, 2)
     # Long enough to outlive the replacement (a new worker process loads the model).
@@ -131,6 +155,9 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
             stats = got[-1].result.stats
             assert stats.draft_failures >= 1 and stats.degraded and stats.resumed == 0
         assert sup.counters["draft_restarts"] == 1 and sup.counters["rank_restarts"] == 0
+        second = ray.get(group.draft.status.remote())
+        assert second["actor_id"] != first["actor_id"] and second["threads"] == 2
+        assert _bundle(group.draft) == (group.pg.id.hex(), 0)
         print(f"draft killed: speculating again after {respeculating_s:.1f} s")
     finally:
         group.shutdown()
@@ -200,6 +227,9 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
                 embedded_engine, _req(prompts[0], "late-ref", temperature=0.0, max_tokens=8)
             ).token_ids
         )
+        # the new ranks took the old ranks' bundle (bundle 1: every rank together)
+        for rank in group.ranks:
+            assert _bundle(rank) == (group.pg.id.hex(), 1)
         print(f"rank {victim} killed: SERVING again after {back - killed:.1f} s")
         assert back - killed < 60.0
     finally:

@@ -1,0 +1,185 @@
+"""deployments/drain.py on a model-free engine: the end of a replica's drain ends running
+requests with ServerShuttingDownError (after the chunks already sent), refuses late ones,
+and the watch cuts only once the application is being deleted, `drain_s` after it saw
+that. The served behaviour (SIGINT, gRPC and HTTP streams) is tested end to end in
+test_chat_e2e's last test."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cactus.errors import RequestCancelledError, ServerShuttingDownError
+from cactus.params import GenerationRequest, SamplingParams
+from deployments.drain import DrainingEngine, watch_for_shutdown
+from deployments.ingress import RequestError
+from deployments.openai_api import as_openai_error
+from workers.request import GenerationChunk, GenerationResult, SpecStats
+
+
+def _req(rid: str) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_token_ids=(1, 2), request_id=rid, sampling=SamplingParams(max_tokens=1000)
+    )
+
+
+class EndlessEngine:
+    """A token every 5 ms until cancelled; `finite` requests end after 2 tokens."""
+
+    def __init__(self, finite: tuple[str, ...] = ()) -> None:
+        self.cancelled: dict[str, asyncio.Event] = {}
+        self.finite = finite
+
+    def model_info(self) -> dict:
+        return {"vocab_size": 8192, "max_context": 1024, "tp_size": 1}
+
+    def _flag(self, rid: str) -> asyncio.Event:
+        return self.cancelled.setdefault(rid, asyncio.Event())
+
+    def cancel(self, request_id: str) -> None:
+        self._flag(request_id).set()
+
+    async def agenerate(self, req):
+        await self._flag(req.request_id).wait()
+        raise RequestCancelledError(f"request {req.request_id} cancelled")
+
+    async def astream(self, req):
+        flag = self._flag(req.request_id)
+        for i in range(10_000):
+            if flag.is_set():
+                return  # as rank 0's stream ends a cancelled request: no result
+            if req.request_id in self.finite and i == 2:
+                result = GenerationResult(req.request_id, "ab", (0, 1), "LENGTH", 2, 2, SpecStats())
+                yield GenerationChunk(req.request_id, (), "", "LENGTH", result)
+                return
+            yield GenerationChunk(req.request_id, (i,), "x")
+            await asyncio.sleep(0.005)
+
+
+async def _collect(engine, req, into: list):
+    async for chunk in engine.astream(req):
+        into.append(chunk)
+
+
+def test_a_cut_ends_running_requests_after_their_chunks_and_refuses_late_ones():
+    async def scenario():
+        engine = DrainingEngine(EndlessEngine(finite=("done",)))
+        done: list = []
+        await _collect(engine, _req("done"), done)  # ended before the cut: untouched
+        chunks: list = []
+        stream = asyncio.create_task(_collect(engine, _req("s"), chunks))
+        unary = asyncio.create_task(engine.agenerate(_req("u")))
+        while len(chunks) < 3:
+            await asyncio.sleep(0.005)
+        assert engine.running == {"s", "u"}
+        assert engine.cut("the server is shutting down (test)") == 2
+        for task in (stream, unary):
+            with pytest.raises(ServerShuttingDownError, match="shutting down"):
+                await task
+        assert len(chunks) >= 3 and all(c.token_ids for c in chunks)
+        assert engine.running == set()
+        # a request that arrives after the cut is refused at once
+        with pytest.raises(ServerShuttingDownError):
+            await engine.agenerate(_req("late"))
+        with pytest.raises(ServerShuttingDownError):
+            await _collect(engine, _req("late-stream"), [])
+        return done
+
+    done = asyncio.run(scenario())
+    assert done[-1].result is not None and done[-1].result.finish_reason == "LENGTH"
+
+
+def test_an_error_of_a_request_not_cut_passes_through():
+    class Failing(EndlessEngine):
+        async def agenerate(self, req):
+            raise ValueError("a bug")
+
+    async def scenario():
+        engine = DrainingEngine(Failing())
+        with pytest.raises(ValueError, match="a bug"):
+            await engine.agenerate(_req("x"))
+        engine.cancel("y")  # the inner engine's own methods are reachable
+        assert engine.inner.cancelled["y"].is_set()
+
+    asyncio.run(scenario())
+
+
+def test_the_watch_asks_only_while_requests_run_and_cuts_drain_s_after_the_deletion():
+    asks: list[float] = []
+    deleting_from = [None]
+
+    def deleting() -> bool:
+        asks.append(time.monotonic())
+        return deleting_from[0] is not None and len(asks) >= deleting_from[0]
+
+    async def scenario():
+        engine = DrainingEngine(EndlessEngine(), drain_s=0.3, deleting=deleting)
+        engine._deleting = None  # started by hand below, with a short poll
+        watch = asyncio.create_task(
+            watch_for_shutdown(engine, drain_s=0.3, deleting=deleting, poll_s=0.01)
+        )
+        await asyncio.sleep(0.1)
+        assert asks == []  # idle: no controller call
+        chunks: list = []
+        stream = asyncio.create_task(_collect(engine, _req("s"), chunks))
+        await asyncio.sleep(0.1)
+        assert asks and not stream.done()  # asked, not deleting: the stream runs on
+        deleting_from[0] = len(asks) + 2
+        with pytest.raises(ServerShuttingDownError, match=r"drain_timeout_s = 0.3 s"):
+            await stream
+        cut_at = time.monotonic()
+        await asyncio.wait_for(watch, 1.0)  # the watch ends with the cut
+        return cut_at
+
+    cut_at = asyncio.run(scenario())
+    seen_at = asks[-1]  # the last ask said "deleting"
+    assert 0.3 <= cut_at - seen_at < 1.0, cut_at - seen_at
+
+
+def test_the_first_request_starts_the_watch_in_a_real_replica():
+    async def scenario():
+        engine = DrainingEngine(
+            EndlessEngine(finite=("a", "b")), drain_s=1.0, deleting=lambda: False
+        )
+        assert engine._watch is None
+        await _collect(engine, _req("a"), [])
+        first = engine._watch
+        assert first is not None and not first.done()
+        await _collect(engine, _req("b"), [])
+        assert engine._watch is first  # one watch per replica
+        first.cancel()
+
+    asyncio.run(scenario())
+    # without `deleting` (the shim tests' injected engines) nothing is started
+    assert DrainingEngine(EndlessEngine())._deleting is None
+
+
+def test_both_apis_say_the_server_is_shutting_down():
+    from protos.cactus.v1 import cactus_pb2 as pb
+    from tests.deployments.test_ingress import Ctx, _shim
+
+    shim = _shim(EndlessEngine())
+
+    async def scenario():
+        got: list = []
+
+        async def read():
+            async for msg in shim.GenerateStream(pb.GenerateRequest(prompt="abc"), Ctx()):
+                got.append(msg)
+
+        task = asyncio.create_task(read())
+        while len(got) < 2:
+            await asyncio.sleep(0.005)
+        shim.engine.cut("the server is shutting down: test")
+        with pytest.raises(RequestError) as err:
+            await task
+        return err.value
+
+    err = asyncio.run(scenario())
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert err.details == "the server is shutting down: test"
+    http = as_openai_error(ServerShuttingDownError("the server is shutting down: test"))
+    assert http.status == 503 and http.message == "the server is shutting down: test"
