@@ -99,6 +99,10 @@ class DrainingEngine:
             finished = False
             async with contextlib.aclosing(self.inner.astream(request)) as chunks:
                 async for chunk in chunks:
+                    if request.request_id in self._cut and chunk.result is None:
+                        # the engine's cancel was lost (say, between two attempts of
+                        # a resumed stream): end here; closing the stream cancels it
+                        raise ServerShuttingDownError(self.cut_reason)
                     finished = chunk.result is not None
                     yield chunk
             # a cancelled stream ends without its result: say why it ended

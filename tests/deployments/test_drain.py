@@ -183,3 +183,23 @@ def test_both_apis_say_the_server_is_shutting_down():
     assert err.details == "the server is shutting down: test"
     http = as_openai_error(ServerShuttingDownError("the server is shutting down: test"))
     assert http.status == 503 and http.message == "the server is shutting down: test"
+
+
+def test_a_stream_whose_cancel_is_lost_ends_at_its_next_chunk():
+    class Deaf(EndlessEngine):
+        def cancel(self, request_id: str) -> None:  # the cancel goes nowhere
+            self.lost = request_id
+
+    async def scenario():
+        engine = DrainingEngine(Deaf())
+        chunks: list = []
+        stream = asyncio.create_task(_collect(engine, _req("s"), chunks))
+        while len(chunks) < 2:
+            await asyncio.sleep(0.005)
+        engine.cut("the server is shutting down (test)")
+        with pytest.raises(ServerShuttingDownError):
+            await asyncio.wait_for(stream, 1.0)
+        assert engine.inner.lost == "s" and engine.running == set()
+        return len(chunks)
+
+    assert asyncio.run(scenario()) >= 2
