@@ -1,13 +1,17 @@
 """Chaos: streaming clients against the served stack while engine actors are killed.
 
-    python -m benchmarks.bench_chaos [--quick] [--clients 8] [--kills 2] [--seed 0]
+    python -m benchmarks.bench_chaos [--quick] [--clients 8] [--kills 2] [--hangs 1]
+        [--seed 0]
 
 The server is `make serve`'s (python -m deployments.serve, TP = 2, embedded models, a
 subprocess with its own Ray head). `--clients` threads stream seeded requests back to
 back, half greedy and half sampled; a seeded schedule kills the draft actor, the
 follower rank (rank1) and rank 0, `--kills` times each, in a shuffled order, one kill
-every `--gap` seconds, with ray.kill (SIGKILL of the actor's process). A poller asks
-grpc.health.v1 Check every 100 ms. Reported:
+every `--gap` seconds, with ray.kill (SIGKILL of the actor's process); and `--hangs`
+times each, the same actors hang: SIGSTOP of the actor's process, which stays alive to
+Ray and answers nothing until the supervisor's probe (`recovery.probe_timeout_s`, 10 s
+by default) declares it dead and the engine SIGKILLs it (README: an actor that hangs).
+A poller asks grpc.health.v1 Check every 100 ms. Reported:
   - requests total / OK / resumed / degraded / failed by status code
   - tokens lost and duplicated: every greedy stream against its uninterrupted output
     (the verifier's greedy decoding, in this process), every sampled stream's chunks
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -69,6 +75,26 @@ def kill(role: str) -> None:
     ray.kill(_actor(role)[1])
 
 
+def stop_process(role: str) -> dict:
+    """SIGSTOP the actor's process (a hang: alive to Ray, answering nothing); returns
+    its identity (pid, start time), as the actor reports it."""
+    import ray
+
+    ident = ray.get(_actor(role)[1].status.remote(), timeout=10)["process"]
+    os.kill(ident["pid"], signal.SIGSTOP)
+    return ident
+
+
+def process_alive(ident: dict) -> bool:
+    """Whether the process (pid and start time) still exists and is not a zombie."""
+    try:
+        with open(f"/proc/{ident['pid']}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X") and int(fields[19]) == ident["start"]
+
+
 def draft_blocks() -> tuple[str, int]:
     """The current draft actor's name and how many blocks it has drafted."""
     import ray
@@ -95,6 +121,8 @@ class Chaos:
         self.resumed = self.degraded = 0
         self.health: list[tuple[float, str, float]] = []  # (at, status, seconds)
         self.kills: list[dict] = []
+        self.stopped: list[dict] = []  # processes this script SIGSTOPped
+        self.left_stopped: list[dict] = []
         self.stop = threading.Event()
         self.reference: dict[tuple[str, int], list[int]] = {}
 
@@ -178,11 +206,16 @@ class Chaos:
             back = [at for at, s, _ in self.health if at > max(down) and s == "SERVING"]
         return back[0] if back else None
 
-    def run_kill(self, role: str, ray_address: str) -> dict:
+    def run_kill(self, fault: str, ray_address: str) -> dict:
+        """One fault: `role` (kill) or `hang-role` (SIGSTOP)."""
+        role = fault.removeprefix("hang-")
         before = draft_blocks() if role == "draft" else None
         start = time.monotonic()
-        kill(role)
-        record = {"role": role, "at_s": round(start - self.t0, 1)}
+        if fault.startswith("hang-"):
+            self.stopped.append(stop_process(role))
+        else:
+            kill(role)
+        record = {"role": fault, "at_s": round(start - self.t0, 1)}
         deadline = start + 120
         if role == "draft":  # health must stay SERVING; wait for drafting to resume
             while time.monotonic() < deadline:
@@ -207,6 +240,8 @@ class Chaos:
                 time.sleep(0.2)
             else:
                 record["recovered_s"] = None
+        if fault.startswith("hang-"):
+            record["stopped_process_ended"] = not process_alive(self.stopped[-1])
         return record
 
     def run(self) -> dict:
@@ -232,6 +267,7 @@ class Chaos:
             ray.init(address=server.ray_address(), log_to_driver=False, configure_logging=False)
             ray_address = server.ray_address()
             schedule = ["draft", "rank1", "rank0"] * self.args.kills
+            schedule += ["hang-draft", "hang-rank1", "hang-rank0"] * self.args.hangs
             self.rng.shuffle(schedule)
             self.t0 = time.monotonic()
             threads = [
@@ -254,6 +290,10 @@ class Chaos:
 
             ray.shutdown()
             server.stop()
+            # a stopped process the engine left behind (a bug) would never exit
+            self.left_stopped = [i for i in self.stopped if process_alive(i)]
+            for ident in self.left_stopped:
+                os.kill(ident["pid"], signal.SIGKILL)
         return self.report(duration)
 
     def report(self, duration: float) -> dict:
@@ -272,6 +312,7 @@ class Chaos:
             "tokens_lost": self.lost,
             "tokens_duplicated": self.duplicated,
             "kills": self.kills,
+            "stopped_processes_left": len(self.left_stopped),
             "longest_check_s": round(max(checks), 3) if checks else None,
             "median_check_s": round(statistics.median(checks), 4) if checks else None,
             "checks": len(checks),
@@ -281,7 +322,7 @@ class Chaos:
 def markdown(r: dict) -> str:
     lines = [
         f"# chaos: {r['clients']} streaming clients, {r['duration_s']} s, "
-        f"{len(r['kills'])} kills (seeded schedule)",
+        f"{len(r['kills'])} faults (seeded schedule)",
         "| requests | OK | resumed | degraded | failed | greedy equal | tokens lost "
         "| tokens duplicated | longest Check |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -290,15 +331,18 @@ def markdown(r: dict) -> str:
         f"{r['greedy_equal']}/{r['greedy_checked']} | {r['tokens_lost']} | "
         f"{r['tokens_duplicated']} | {r['longest_check_s']} s |",
         "",
-        "| kill | at (s) | recovered after (s) | health left SERVING |",
-        "|---|---|---|---|",
+        "| fault | at (s) | recovered after (s) | health left SERVING | stopped process ended |",
+        "|---|---|---|---|---|",
     ]
     for k in r["kills"]:
         left = k.get("health_left_serving", "yes (restart)")
-        lines.append(f"| {k['role']} | {k['at_s']} | {k['recovered_s']} | {left} |")
+        ended = k.get("stopped_process_ended", "")
+        lines.append(f"| {k['role']} | {k['at_s']} | {k['recovered_s']} | {left} | {ended} |")
     lines.append(
         "\n# recovered after: draft = until the new draft actor drafts again; "
-        "rank = until health is SERVING again"
+        "rank = until health is SERVING again. hang-X: X's process SIGSTOPped (noticed "
+        "after recovery.probe_timeout_s); stopped processes left at the end: "
+        f"{r['stopped_processes_left']}"
     )
     return "\n".join(lines)
 
@@ -308,6 +352,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="1 kill of each, 4 clients")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--kills", type=int, default=2, help="kills of each actor")
+    parser.add_argument("--hangs", type=int, default=1, help="SIGSTOPs of each actor")
     parser.add_argument("--gap", type=float, default=20.0, help="seconds between kills")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -315,8 +360,7 @@ def main(argv=None) -> None:
     parser.add_argument("--md", type=Path, default=None, help="also write the tables here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.clients, args.kills, args.gap = 4, 1, 12.0
-    import os
+        args.clients, args.kills, args.hangs, args.gap = 4, 1, 0, 12.0
 
     from cactus import environment
 
@@ -328,7 +372,6 @@ def main(argv=None) -> None:
     text = markdown(result)
     print(text, flush=True)
     if args.md:
-        import os
         import platform
         import shlex
 

@@ -278,3 +278,58 @@ def test_the_policy_replay_collects_real_traces():
         assert all(0 <= a <= 8 for counts in traces[group] for a in counts)
     rows = [ln for ln in report(traces) if ln.startswith("| sps") or ln.startswith("| cactus")]
     assert len(rows) == len(GROUPS) * len(RATIOS)
+
+
+def test_the_chaos_bench_tells_a_stopped_process_from_an_ended_one():
+    """bench_chaos's hang faults: a SIGSTOPped process is still alive (the engine must
+    end it), a killed and reaped one is not, nor a pid with another start time; the
+    report's table shows each hang's outcome and how many stopped processes were left."""
+    import signal
+
+    from benchmarks.bench_chaos import markdown, process_alive
+    from workers.processes import identity
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+        ident = {"pid": proc.pid, "start": start}
+        proc.send_signal(signal.SIGSTOP)
+        assert process_alive(ident)
+        assert not process_alive({**ident, "start": start + 1})
+        proc.kill()
+        proc.wait()
+        assert not process_alive(ident)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_alive(identity())
+    report = {
+        "clients": 2,
+        "duration_s": 10.0,
+        "requests": 3,
+        "ok": 3,
+        "resumed": 1,
+        "degraded": 1,
+        "failed": {},
+        "greedy_equal": 1,
+        "greedy_checked": 1,
+        "tokens_lost": 0,
+        "tokens_duplicated": 0,
+        "longest_check_s": 0.1,
+        "stopped_processes_left": 0,
+        "kills": [
+            {"role": "rank0", "at_s": 1.0, "recovered_s": 7.0},
+            {
+                "role": "hang-draft",
+                "at_s": 20.0,
+                "recovered_s": 18.0,
+                "health_left_serving": False,
+                "stopped_process_ended": True,
+            },
+        ],
+    }
+    text = markdown(report)
+    assert "| hang-draft | 20.0 | 18.0 | False | True |" in text
+    assert "| rank0 | 1.0 | 7.0 | yes (restart) |  |" in text
+    assert "stopped processes left at the end: 0" in text
