@@ -48,6 +48,8 @@ class DrainingEngine:
         first request starts `watch_for_shutdown` on the replica's event loop."""
         self.inner = engine
         self.running: set[str] = set()
+        self.watches = 0  # open health Watch calls (they hold the drain too)
+        self.draining = False  # the application is being deleted
         self.cut_reason: str | None = None
         self._cut: set[str] = set()
         self._drain_s = drain_s
@@ -70,10 +72,25 @@ class DrainingEngine:
     def _admit(self) -> None:
         if self.cut_reason is not None:
             raise ServerShuttingDownError(self.cut_reason)
+        self._start_watch()
+
+    def _start_watch(self) -> None:
         if self._deleting is not None and self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(
                 watch_for_shutdown(self, drain_s=self._drain_s, deleting=self._deleting)
             )
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Around a health Watch call: an open Watch never ends by itself, so it would
+        hold the drain for its whole time; the watch for the deletion runs while one is
+        open, and the Watch ends once `draining` is set (deployments/ingress.py)."""
+        self._start_watch()
+        self.watches += 1
+        try:
+            yield
+        finally:
+            self.watches -= 1
 
     @contextlib.contextmanager
     def _tracked(self, request_id: str):
@@ -125,12 +142,13 @@ async def watch_for_shutdown(
     deleting: Callable[[], bool],
     poll_s: float = POLL_S,
 ) -> None:
-    """While requests run, ask every `poll_s` whether the application is being deleted;
-    once it is, cut the requests still running `drain_s` later. Runs for the replica's
-    life (a task on its event loop); asks nothing while the replica is idle."""
+    """While requests or health Watch calls run, ask every `poll_s` whether the
+    application is being deleted; once it is, set `draining` and cut the requests still
+    running `drain_s` later. Runs for the replica's life (a task on its event loop);
+    asks nothing while the replica is idle."""
     while True:
         await asyncio.sleep(poll_s)
-        if not engine.running:
+        if not engine.running and not engine.watches:
             continue
         try:
             if not await asyncio.to_thread(deleting):
@@ -138,6 +156,7 @@ async def watch_for_shutdown(
         except Exception:  # the controller is busy or going away: ask again
             logger.debug("shutdown watch: status unavailable", exc_info=True)
             continue
+        engine.draining = True  # open health Watch calls say NOT_SERVING and end
         logger.info("application deleted: running requests get %.1f s to finish", drain_s)
         await asyncio.sleep(drain_s)
         cut = engine.cut(

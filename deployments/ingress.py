@@ -385,6 +385,8 @@ class CactusIngress:
 
     async def _status(self) -> int:
         status = health_pb2.HealthCheckResponse
+        if self.engine.draining:  # the application is being deleted (deployments/drain)
+            return status.NOT_SERVING
         return status.SERVING if await self.engine.ahealthy() else status.NOT_SERVING
 
     async def Check(self, request, grpc_context=None):
@@ -410,18 +412,25 @@ class CactusIngress:
 
     async def Watch(self, request, grpc_context=None):
         """The status now, then every change (checked every 0.5 s). An unknown service
-        gets SERVICE_UNKNOWN and the call stays open, as the health protocol says."""
+        gets SERVICE_UNKNOWN and the call stays open, as the health protocol says. When
+        the server shuts down, the call says NOT_SERVING and ends (an open Watch would
+        otherwise hold the replica's drain for its whole time)."""
         last = None
-        while True:
-            status = (
-                await self._status()
-                if request.service in self.SERVICES
-                else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-            )
-            if status != last:
-                last = status
-                yield health_pb2.HealthCheckResponse(status=status)
-            await asyncio.sleep(0.5)
+        with self.engine.watching():
+            while True:
+                status = (
+                    await self._status()
+                    if request.service in self.SERVICES
+                    else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                )
+                if self.engine.draining:
+                    status = health_pb2.HealthCheckResponse.NOT_SERVING
+                if status != last:
+                    last = status
+                    yield health_pb2.HealthCheckResponse(status=status)
+                if self.engine.draining:
+                    return
+                await asyncio.sleep(0.5)
 
     async def check_health(self) -> None:
         """Serve's replica health check. A restarting engine is not a reason to replace

@@ -313,7 +313,8 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
     running at the signal ends normally with every token; an 800-token plain stream
     (about 20 s here) over gRPC and one over HTTP are cut after the drain time, not
     before it and not at their end. Before deployments/drain.py Serve's kill cut them
-    and the proxy said INTERNAL ("The actor died unexpectedly")."""
+    and the proxy said INTERNAL ("The actor died unexpectedly"). An open health Watch
+    says NOT_SERVING and ends well before the drain time (it would hold the drain)."""
     import httpx2
 
     from client import NO_RETRY, CactusClient
@@ -345,17 +346,32 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
                     results["http"].append(line[len("data: ") :])
         ended["http"] = (time.monotonic(), reply.status_code)
 
+    # an open health Watch (gRPC client-side health checking holds one per backend)
+    # must not hold the drain: it says NOT_SERVING and ends
+    watched: list[tuple[str, float]] = []
+    channel = grpc.insecure_channel(grpc_address)
+
+    def watch() -> None:
+        try:
+            for reply in HealthStub(channel).Watch(HealthCheckRequest(service=""), timeout=120):
+                name = HealthCheckResponse.ServingStatus.Name(reply.status)
+                watched.append((name, time.monotonic()))
+            ended["watch"] = (time.monotonic(), None)
+        except grpc.RpcError as err:
+            ended["watch"] = (time.monotonic(), err)
+
     threads = [
         threading.Thread(target=consume, args=("long", 800)),
         threading.Thread(target=consume_http),
         threading.Thread(target=consume, args=("short", 40)),
+        threading.Thread(target=watch),
     ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while not all(results.values()) and time.monotonic() < deadline:
+    while not (all(results.values()) and watched) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert all(results.values()), ended
+    assert all(results.values()) and watched == [("SERVING", watched[0][1])], (ended, watched)
     proc.send_signal(signal.SIGINT)
     signalled = time.monotonic()
     for t in threads:
@@ -371,7 +387,8 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
         f"SIGINT: short stream ended after {short_at - signalled:.1f} s; long gRPC stream "
         f"after {long_at - signalled:.1f} s with {got} tokens and "
         f"{status.code() if status else None}: {status.details() if status else None}; "
-        f"HTTP stream after {http_at - signalled:.1f} s: {results['http'][-2:]}"
+        f"HTTP stream after {http_at - signalled:.1f} s: {results['http'][-2:]}; "
+        f"health Watch ended after {ended['watch'][0] - signalled:.1f} s: {watched}"
     )
     assert status is not None, results["long"][-1]
     assert status.code() == grpc.StatusCode.UNAVAILABLE, (status.code(), status.details())
@@ -385,4 +402,9 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
     assert "shutting down" in error["message"] and error["type"] == "server_error", error
     texts = [json.loads(e)["choices"][0]["text"] for e in results["http"][:-2]]
     assert "".join(texts), "no tokens arrived before the cut"
+    watch_at, watch_error = ended["watch"]
+    channel.close()
+    assert watch_error is None, watch_error  # ended by the server, with OK
+    assert [name for name, _ in watched] == ["SERVING", "NOT_SERVING"], watched
+    assert watch_at - signalled < DRAIN_S - 1, watch_at - signalled
     assert proc.wait(timeout=120) == 0

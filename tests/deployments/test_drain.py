@@ -36,6 +36,9 @@ class EndlessEngine:
     def model_info(self) -> dict:
         return {"vocab_size": 8192, "max_context": 1024, "tp_size": 1}
 
+    async def ahealthy(self) -> bool:
+        return True
+
     def _flag(self, rid: str) -> asyncio.Event:
         return self.cancelled.setdefault(rid, asyncio.Event())
 
@@ -203,3 +206,41 @@ def test_a_stream_whose_cancel_is_lost_ends_at_its_next_chunk():
         return len(chunks)
 
     assert asyncio.run(scenario()) >= 2
+
+
+def test_an_open_health_watch_keeps_the_watch_asking_and_ends_once_draining():
+    """A Watch never ends by itself, so it would hold the drain: while one is open the
+    deletion is watched for, and once the application is being deleted the Watch says
+    NOT_SERVING and ends (through the ingress shim)."""
+    from grpc_health.v1 import health_pb2
+
+    from tests.deployments.test_ingress import _shim
+
+    asks: list[bool] = []
+
+    def deleting() -> bool:
+        asks.append(True)
+        return len(asks) >= 3
+
+    shim = _shim(EndlessEngine())
+    engine = shim.engine
+    engine._deleting = deleting
+    statuses: list[int] = []
+
+    async def scenario():
+        engine._watch = asyncio.create_task(
+            watch_for_shutdown(engine, drain_s=5.0, deleting=deleting, poll_s=0.01)
+        )
+        started = time.monotonic()
+        async for reply in shim.Watch(health_pb2.HealthCheckRequest(service="")):
+            statuses.append(reply.status)
+        ended = time.monotonic() - started
+        assert engine.watches == 0 and engine.draining and engine.cut_reason is None
+        engine._watch.cancel()
+        return ended
+
+    ended = asyncio.run(scenario())
+    status = health_pb2.HealthCheckResponse
+    assert statuses == [status.SERVING, status.NOT_SERVING]
+    assert len(asks) >= 3  # asked although no request ran: the Watch was open
+    assert ended < 2.0, ended
