@@ -40,6 +40,7 @@ import grpc
 
 from benchmarks.load import ServerProcess
 from client import CactusClient
+from workers.processes import is_running
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -83,16 +84,6 @@ def stop_process(role: str) -> dict:
     ident = ray.get(_actor(role)[1].status.remote(), timeout=10)["process"]
     os.kill(ident["pid"], signal.SIGSTOP)
     return ident
-
-
-def process_alive(ident: dict) -> bool:
-    """Whether the process (pid and start time) still exists and is not a zombie."""
-    try:
-        with open(f"/proc/{ident['pid']}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] not in ("Z", "X") and int(fields[19]) == ident["start"]
 
 
 def draft_blocks() -> tuple[str, int]:
@@ -241,7 +232,7 @@ class Chaos:
             else:
                 record["recovered_s"] = None
         if fault.startswith("hang-"):
-            record["stopped_process_ended"] = not process_alive(self.stopped[-1])
+            record["stopped_process_ended"] = not is_running(self.stopped[-1])
         return record
 
     def run(self) -> dict:
@@ -291,7 +282,7 @@ class Chaos:
             ray.shutdown()
             server.stop()
             # a stopped process the engine left behind (a bug) would never exit
-            self.left_stopped = [i for i in self.stopped if process_alive(i)]
+            self.left_stopped = [i for i in self.stopped if is_running(i)]
             for ident in self.left_stopped:
                 os.kill(ident["pid"], signal.SIGKILL)
         return self.report(duration)

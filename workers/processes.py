@@ -24,13 +24,28 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 logger = logging.getLogger("cactus.group")
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22)."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) from /proc/<pid>/stat (fields 3
+    and 22), or None for a pid that does not exist."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22)."""
+    stat = _stat(pid)
+    return stat[1] if stat else None
+
+
+def is_running(ident: dict) -> bool:
+    """Whether the process `identity()` reported still exists (not a zombie): a
+    stopped one counts, a pid reused by another process does not."""
+    stat = _stat(ident["pid"])
+    return stat is not None and stat[0] not in ("Z", "X") and stat[1] == ident["start"]
 
 
 def identity() -> dict:

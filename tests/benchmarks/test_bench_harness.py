@@ -281,29 +281,29 @@ def test_the_policy_replay_collects_real_traces():
 
 
 def test_the_chaos_bench_tells_a_stopped_process_from_an_ended_one():
-    """bench_chaos's hang faults: a SIGSTOPped process is still alive (the engine must
+    """bench_chaos's hang faults (workers.processes.is_running): a SIGSTOPped process is
+    still alive (the engine must
     end it), a killed and reaped one is not, nor a pid with another start time; the
     report's table shows each hang's outcome and how many stopped processes were left."""
     import signal
 
-    from benchmarks.bench_chaos import markdown, process_alive
-    from workers.processes import identity
+    from benchmarks.bench_chaos import markdown
+    from workers.processes import _start_time, identity, is_running
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            start = int(f.read().rsplit(")", 1)[1].split()[19])
-        ident = {"pid": proc.pid, "start": start}
+        ident = {"pid": proc.pid, "start": _start_time(proc.pid)}
+        start = ident["start"]
         proc.send_signal(signal.SIGSTOP)
-        assert process_alive(ident)
-        assert not process_alive({**ident, "start": start + 1})
+        assert is_running(ident)
+        assert not is_running({**ident, "start": start + 1})
         proc.kill()
         proc.wait()
-        assert not process_alive(ident)
+        assert not is_running(ident)
     finally:
         proc.kill()
         proc.wait()
-    assert process_alive(identity())
+    assert is_running(identity())
     report = {
         "clients": 2,
         "duration_s": 10.0,
