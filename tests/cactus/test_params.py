@@ -109,3 +109,21 @@ def test_good_requests_pass():
     validate_request(_s(temperature=0.0, top_k=-1, top_p=1.0, seed=2**64 - 1), LIMITS)
     validate_request(_sp(rule="none", delta=0.0, max_divergence_nats=0.0), LIMITS)
     validate_request(replace(GOOD, prompt=None, prompt_token_ids=(0, 8191)), LIMITS)
+
+
+def test_the_readmes_invalid_argument_example_is_the_real_message():
+    """README (Errors and limits on the wire) quotes one INVALID_ARGUMENT detail; it
+    must be what validation says for that value."""
+    import re
+    from pathlib import Path
+
+    from cactus.errors import InvalidRequestError
+    from cactus.params import GenerationRequest, Limits, SamplingParams, validate_request
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Errors and limits on the wire") :]
+    quoted = re.search(r"\(`(temperature: [^`]+)`\)", section).group(1)
+    request = GenerationRequest(prompt_token_ids=(1, 2), sampling=SamplingParams(temperature=3.5))
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(request, Limits(vocab_size=100, max_context=100), prompt_len=2)
+    assert str(err.value) == quoted
