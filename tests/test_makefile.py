@@ -95,3 +95,46 @@ def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path
     assert "serve-59934.pid" in dry("stop")
     assert "--port 59936" in dry("serve", "PORT=59936")
     assert "serve-59936.pid" in dry("stop", "PORT=59936")
+
+
+def test_every_make_target_the_readme_names_exists_and_its_benchmark_takes_its_flags():
+    """Each `make X` in the README is a Makefile target (a dry run resolves it), and
+    every `python -m benchmarks.*` command those targets run (QUICK=1 too) names a
+    module whose --help lists each flag the Makefile passes."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    targets = sorted(set(re.findall(r"`make ([a-z][a-z-]*[a-z])", readme)))
+    assert {"serve", "stop", "bench", "bench-chaos", "gpu-check"} <= set(targets), targets
+    commands: set[tuple[str, tuple[str, ...]]] = set()
+    for target in targets:
+        for quick in ([], ["QUICK=1"]):
+            dry = subprocess.run(
+                ["make", "-n", target, *quick],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                env=os.environ.copy(),
+                timeout=60,
+            )
+            assert dry.returncode == 0, (target, dry.stderr)
+            for line in dry.stdout.splitlines():
+                if m := re.search(r"-m (benchmarks\.\w+)(.*)", line):
+                    flags = tuple(re.findall(r"(?<!\S)--[a-z][a-z-]*", m.group(2)))
+                    commands.add((m.group(1), flags))
+    modules = {module for module, _ in commands}
+    assert {"benchmarks.bench_chaos", "benchmarks.run", "benchmarks.bench_batch"} <= modules
+    helps: dict[str, str] = {}
+    for module, flags in sorted(commands):
+        if module not in helps:
+            shown = subprocess.run(
+                [sys.executable, "-m", module, "--help"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert shown.returncode == 0, (module, shown.stderr[-2000:])
+            helps[module] = shown.stdout
+        for flag in flags:
+            assert flag in helps[module], (module, flag)
