@@ -7,6 +7,8 @@ Duties, and nothing else:
   3. assign request ids; run the request on the engine, unary or streaming
   4. map every other failure to a status with scrubbed details (no stack traces)
   5. cancel the engine's work when the client goes away; record metrics
+  6. at shutdown, end what still runs when the drain time is up with UNAVAILABLE, and
+     open health Watch calls with NOT_SERVING (deployments/drain.py)
 
 The engine is injected (the `workers.interfaces.ServingEngine` protocol: agenerate /
 astream / cancel / ahealthy / model_info), as Ray Serve LLM does, so the shim can be
