@@ -42,10 +42,16 @@ class DrainingEngine:
     so does every request that arrives later. Everything else is the inner engine's."""
 
     def __init__(
-        self, engine, *, drain_s: float = 0.0, deleting: Callable[[], bool] | None = None
+        self,
+        engine,
+        *,
+        drain_s: float = 0.0,
+        deleting: Callable[[], bool] | None = None,
+        poll_s: float = POLL_S,
     ) -> None:
         """`deleting`: asks whether the application is being deleted; with it, the
-        first request starts `watch_for_shutdown` on the replica's event loop."""
+        first request or health Watch starts `_watch_for_shutdown` on the replica's
+        event loop."""
         self.inner = engine
         self.running: set[str] = set()
         self.watches = 0  # open health Watch calls (they hold the drain too)
@@ -54,6 +60,7 @@ class DrainingEngine:
         self._cut: set[str] = set()
         self._drain_s = drain_s
         self._deleting = deleting
+        self._poll_s = poll_s
         self._watch: asyncio.Task | None = None
 
     def __getattr__(self, name):  # model_info, cancel, ahealthy, stats, alive, group, ...
@@ -76,9 +83,7 @@ class DrainingEngine:
 
     def _start_watch(self) -> None:
         if self._deleting is not None and self._watch is None:
-            self._watch = asyncio.get_running_loop().create_task(
-                watch_for_shutdown(self, drain_s=self._drain_s, deleting=self._deleting)
-            )
+            self._watch = asyncio.get_running_loop().create_task(self._watch_for_shutdown())
 
     @contextlib.contextmanager
     def watching(self):
@@ -126,6 +131,33 @@ class DrainingEngine:
             if not finished and request.request_id in self._cut:
                 raise ServerShuttingDownError(self.cut_reason)
 
+    async def _watch_for_shutdown(self) -> None:
+        """While requests or health Watch calls run, ask every poll_s whether the
+        application is being deleted; once it is, set `draining` and cut the requests
+        still running drain_s later. Runs for the replica's life (a task on its event
+        loop); asks nothing while the replica is idle."""
+        while True:
+            await asyncio.sleep(self._poll_s)
+            if not self.running and not self.watches:
+                continue
+            try:
+                if not await asyncio.to_thread(self._deleting):
+                    continue
+            except Exception:  # the controller is busy or going away: ask again
+                logger.debug("shutdown watch: status unavailable", exc_info=True)
+                continue
+            self.draining = True  # open health Watch calls say NOT_SERVING and end
+            logger.info("application deleted: requests get %.1f s to finish", self._drain_s)
+            await asyncio.sleep(self._drain_s)
+            cut = self.cut(
+                "the server is shutting down: requests still running after the drain time "
+                f"(recovery.drain_timeout_s = {self._drain_s:g} s) are ended; retry on "
+                "another replica"
+            )
+            if cut:
+                logger.info("drain time is up: ended %d running requests", cut)
+            return
+
 
 def application_deleting(app_name: str) -> bool:
     """Whether Serve is deleting the application (a blocking controller call)."""
@@ -133,36 +165,3 @@ def application_deleting(app_name: str) -> bool:
 
     app = serve.status().applications.get(app_name)
     return app is not None and app.status == "DELETING"
-
-
-async def watch_for_shutdown(
-    engine: DrainingEngine,
-    *,
-    drain_s: float,
-    deleting: Callable[[], bool],
-    poll_s: float = POLL_S,
-) -> None:
-    """While requests or health Watch calls run, ask every `poll_s` whether the
-    application is being deleted; once it is, set `draining` and cut the requests still
-    running `drain_s` later. Runs for the replica's life (a task on its event loop);
-    asks nothing while the replica is idle."""
-    while True:
-        await asyncio.sleep(poll_s)
-        if not engine.running and not engine.watches:
-            continue
-        try:
-            if not await asyncio.to_thread(deleting):
-                continue
-        except Exception:  # the controller is busy or going away: ask again
-            logger.debug("shutdown watch: status unavailable", exc_info=True)
-            continue
-        engine.draining = True  # open health Watch calls say NOT_SERVING and end
-        logger.info("application deleted: running requests get %.1f s to finish", drain_s)
-        await asyncio.sleep(drain_s)
-        cut = engine.cut(
-            f"the server is shutting down: requests still running after the drain time "
-            f"(recovery.drain_timeout_s = {drain_s:g} s) are ended; retry on another replica"
-        )
-        if cut:
-            logger.info("drain time is up: ended %d running requests", cut)
-        return

@@ -420,17 +420,17 @@ class CactusIngress:
         last = None
         with self.engine.watching():
             while True:
-                status = (
-                    await self._status()
-                    if request.service in self.SERVICES
-                    else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-                )
-                if self.engine.draining:
+                draining = self.engine.draining
+                if draining:
                     status = health_pb2.HealthCheckResponse.NOT_SERVING
+                elif request.service in self.SERVICES:
+                    status = await self._status()
+                else:
+                    status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
                 if status != last:
                     last = status
                     yield health_pb2.HealthCheckResponse(status=status)
-                if self.engine.draining:
+                if draining:
                     return
                 await asyncio.sleep(0.5)
 

@@ -28,18 +28,22 @@ def _quiet_hf() -> None:
 
 
 def _whereabouts() -> dict:
-    """Where an engine actor runs and how (its status): node, process (pid and start
-    time, for workers/processes.py), actor id and the torch intra-op threads it
-    computes with (`resources.threads_per_actor`)."""
-    import torch
-
+    """Where an engine actor runs (its status): node, process (pid and start time, for
+    workers/processes.py) and actor id. Fixed for the actor's life, so each actor reads
+    it once (the supervisor probes the draft actor's status twice a second)."""
     context = ray.get_runtime_context()
     return {
         "node_id": context.get_node_id(),
         "process": identity(),
         "actor_id": context.get_actor_id(),
-        "threads": torch.get_num_threads(),
     }
+
+
+def _threads() -> int:
+    """The torch intra-op threads this thread computes with (`resources.threads_per_actor`)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 @ray.remote
@@ -68,6 +72,7 @@ class DraftActor:
         self.servicer = DraftServicer(LocalDrafter(self.runner), default_lease_s=lease_s)
         self.server = None
         self.port = 0
+        self.whereabouts = _whereabouts()
 
     async def serve(self, port: int = 0) -> str:
         """Start the gRPC server (idempotent); returns host:port. It listens on this
@@ -84,7 +89,8 @@ class DraftActor:
 
     async def status(self) -> dict:
         return {
-            **_whereabouts(),
+            **self.whereabouts,
+            "threads": _threads(),  # on the event loop, where the draft model runs
             "open_sessions": len(self.servicer.sessions),
             "cached_sequences": self.runner.num_sequences,
             "vocab_size": self.runner.vocab_size,
@@ -148,10 +154,11 @@ class VerifierRank:
             max_num_seqs=max_num_seqs,
             kv_budget_tokens=kv_budget_tokens,
         )
+        self.whereabouts = _whereabouts()
         return {**self.status(), "vocab_size": self.runner.vocab_size}
 
     def status(self) -> dict:
-        return {"rank": self.rank, **_whereabouts()}
+        return {"rank": self.rank, **self.whereabouts, "threads": _threads()}
 
     def follow(self) -> int:
         """Ranks >= 1: replay rank 0's cache operations until shutdown."""

@@ -49,7 +49,7 @@ def is_running(ident: dict) -> bool:
 
 
 def identity() -> dict:
-    """This process, as `kill_process` finds it again on its node."""
+    """This process, as `kill_processes` finds it again on its node."""
     pid = os.getpid()
     return {"pid": pid, "start": _start_time(pid)}
 

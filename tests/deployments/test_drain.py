@@ -14,7 +14,7 @@ import pytest
 
 from cactus.errors import RequestCancelledError, ServerShuttingDownError
 from cactus.params import GenerationRequest, SamplingParams
-from deployments.drain import DrainingEngine, watch_for_shutdown
+from deployments.drain import DrainingEngine
 from deployments.ingress import RequestError
 from deployments.openai_api import as_openai_error
 from workers.request import GenerationChunk, GenerationResult, SpecStats
@@ -119,13 +119,15 @@ def test_the_watch_asks_only_while_requests_run_and_cuts_drain_s_after_the_delet
         return deleting_from[0] is not None and len(asks) >= deleting_from[0]
 
     async def scenario():
-        engine = DrainingEngine(EndlessEngine(), drain_s=0.3, deleting=deleting)
-        engine._deleting = None  # started by hand below, with a short poll
-        watch = asyncio.create_task(
-            watch_for_shutdown(engine, drain_s=0.3, deleting=deleting, poll_s=0.01)
+        engine = DrainingEngine(
+            EndlessEngine(finite=("first",)), drain_s=0.3, deleting=deleting, poll_s=0.01
         )
+        await _collect(engine, _req("first"), [])  # starts the watch
+        watch = engine._watch
+        await asyncio.sleep(0.02)  # an ask begun while "first" ran has ended
+        asks.clear()
         await asyncio.sleep(0.1)
-        assert asks == []  # idle: no controller call
+        assert asks == [] and not watch.done()  # idle: no controller call
         chunks: list = []
         stream = asyncio.create_task(_collect(engine, _req("s"), chunks))
         await asyncio.sleep(0.1)
@@ -155,9 +157,14 @@ def test_the_first_request_starts_the_watch_in_a_real_replica():
         assert engine._watch is first  # one watch per replica
         first.cancel()
 
+    async def without_deleting():
+        engine = DrainingEngine(EndlessEngine(finite=("a",)))
+        await _collect(engine, _req("a"), [])
+        return engine._watch
+
     asyncio.run(scenario())
-    # without `deleting` (the shim tests' injected engines) nothing is started
-    assert DrainingEngine(EndlessEngine())._deleting is None
+    # without `deleting` (the shim tests' injected engines) no watch is started
+    assert asyncio.run(without_deleting()) is None
 
 
 def test_both_apis_say_the_server_is_shutting_down():
@@ -223,14 +230,13 @@ def test_an_open_health_watch_keeps_the_watch_asking_and_ends_once_draining():
         return len(asks) >= 3
 
     shim = _shim(EndlessEngine())
-    engine = shim.engine
-    engine._deleting = deleting
+    # as a real replica's ingress wraps its engine (the shim's has no deletion watch)
+    engine = shim.engine = DrainingEngine(
+        shim.engine.inner, drain_s=5.0, deleting=deleting, poll_s=0.01
+    )
     statuses: list[int] = []
 
     async def scenario():
-        engine._watch = asyncio.create_task(
-            watch_for_shutdown(engine, drain_s=5.0, deleting=deleting, poll_s=0.01)
-        )
         started = time.monotonic()
         async for reply in shim.Watch(health_pb2.HealthCheckRequest(service="")):
             statuses.append(reply.status)
