@@ -39,6 +39,12 @@ class ServerShuttingDownError(WorkerUnavailableError):
     time was up (deployments/drain.py). The message says so; clients retry elsewhere."""
 
 
+class EngineStartError(CactusError):
+    """The engine did not start: its placement group was not granted, or an actor did
+    not load, join or answer within limits.start_timeout_s. What had started is stopped
+    (workers/group.py)."""
+
+
 class EngineFailedError(WorkerUnavailableError):
     """A verifier rank died or the tensor-parallel group broke: the engine must be torn
     down and rebuilt (workers/supervisor.py); its requests are resumed on the new one."""

@@ -119,7 +119,12 @@ class LimitsConfig(_Model):
         "DEADLINE_EXCEEDED, HTTP requests with their tokens so far and finish_reason length",
         0.0,
     )
-    start_timeout_s: Float = doc("how long a replica may take to start its engine", 300.0)
+    start_timeout_s: Float = doc(
+        "how long each step of an engine's start may take (its placement group granted, "
+        "an actor loaded, the ranks joined); past it the start fails naming the step, "
+        "and what had started is stopped",
+        300.0,
+    )
 
     def time_limit(self, requested: float | None) -> float | None:
         """A request's `time_limit_s` under `request_timeout_s` (0 = no ceiling).

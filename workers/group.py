@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cactus.errors import EngineStartError
 from workers.processes import kill_processes
 from workers.scheduler import SchedulerConfig
 
@@ -126,13 +127,47 @@ class EngineGroup:
         )
 
     def start(self) -> EngineGroup:
-        """Create the actors, join the TP group, connect rank 0 to the draft actor."""
-        if self.pg is None:
-            self.pg = placement_group(engine_bundles(self.config), strategy="PACK")
-        ray.get(self.pg.ready(), timeout=self.config.start_timeout_s)
-        self._start_draft()
-        self._start_ranks()
+        """Create the actors, join the TP group, connect rank 0 to the draft actor. If
+        any of it fails or outlasts limits.start_timeout_s, what had started is stopped
+        (actors, processes, an own placement group) before the error is raised: a
+        caller that gives up or tries again leaks nothing."""
+        try:
+            if self.pg is None:
+                self.pg = placement_group(engine_bundles(self.config), strategy="PACK")
+            self._wait(
+                self.pg.ready(),
+                f"the engine's placement group {engine_bundles(self.config)} was not granted",
+                lambda: f"; free on the cluster now: {ray.available_resources()}",
+            )
+            self._start_draft()
+            self._start_ranks()
+        except BaseException:
+            self._abandon()
+            raise
         return self
+
+    def _wait(self, refs, what: str, more=lambda: ""):
+        """ray.get within start_timeout_s; a timeout is an EngineStartError saying what
+        did not happen in time and which setting bounds it."""
+        timeout = self.config.start_timeout_s
+        try:
+            return ray.get(refs, timeout=timeout)
+        except GetTimeoutError:
+            raise EngineStartError(
+                f"{what} within limits.start_timeout_s = {timeout:g} s{more()}"
+            ) from None
+
+    def _abandon(self) -> None:
+        """Stop whatever a failed start had started."""
+        actors = [a for a in (*self.ranks, self.draft) if a is not None]
+        where = [p for procs in self._processes.values() for p in procs]
+        with contextlib.suppress(Exception):
+            self._end(actors, where)
+        if self.pg is not None and self.own_pg:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
+        self.ranks, self.followers, self.draft, self._processes = [], [], None, {}
 
     def _start_draft(self) -> None:
         from workers.actors import DraftActor
@@ -153,8 +188,8 @@ class EngineGroup:
             lease_s=c.lease_s,
             max_num_seqs=c.max_num_seqs,
         )
-        self.draft_address = ray.get(self.draft.serve.remote(), timeout=c.start_timeout_s)
-        status = ray.get(self.draft.status.remote(), timeout=c.start_timeout_s)
+        self.draft_address = self._wait(self.draft.serve.remote(), "the draft actor did not load")
+        status = self._wait(self.draft.status.remote(), "the draft actor did not answer")
         self.placement["draft"] = status["node_id"]
         self._processes["draft"] = [(status["node_id"], status["process"])]
 
@@ -162,7 +197,6 @@ class EngineGroup:
         from workers.actors import VerifierRank
 
         c = self.config
-        timeout = c.start_timeout_s
         self.ranks = [
             VerifierRank.options(
                 name=f"{self.name}.r{self.rank_generation}-rank{i}",
@@ -175,8 +209,8 @@ class EngineGroup:
             ).remote(i, c.tp_size)
             for i in range(c.tp_size)
         ]
-        port = ray.get(self.ranks[0].pick_port.remote(), timeout=timeout)
-        infos = ray.get(
+        port = self._wait(self.ranks[0].pick_port.remote(), "verifier rank 0 did not start")
+        infos = self._wait(
             [
                 r.init.remote(
                     port,
@@ -190,10 +224,10 @@ class EngineGroup:
                 )
                 for r in self.ranks
             ],
-            timeout=timeout,
+            f"the {c.tp_size} verifier ranks did not load and join their group",
         )
         self.followers = [r.follow.remote() for r in self.ranks[1:]]
-        ray.get(
+        self._wait(
             self.ranks[0].connect.remote(
                 self.draft_address,
                 limits=self.limits,
@@ -205,7 +239,7 @@ class EngineGroup:
                 ),
                 timeout_s=c.rpc_timeout_s,
             ),
-            timeout=timeout,
+            "rank 0 did not connect to the draft actor",
         )
         self.placement["ranks"] = [info["node_id"] for info in infos]
         self._processes["ranks"] = [(info["node_id"], info["process"]) for info in infos]
@@ -230,9 +264,9 @@ class EngineGroup:
         self._end([old], self._processes.pop("draft", []))
         self.draft_generation += 1
         self._start_draft()
-        ray.get(
+        self._wait(
             self.rank0.attach_draft.remote(self.draft_address),
-            timeout=self.config.start_timeout_s,
+            "rank 0 did not attach the new draft actor",
         )
 
     def restart_ranks(self) -> None:

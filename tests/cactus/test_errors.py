@@ -35,6 +35,7 @@ def _instances() -> dict[str, BaseException]:
         errors.StaleBlockError("epoch 3, expected 4"),
         errors.WorkerUnavailableError("draft actor: UNAVAILABLE"),
         errors.EngineFailedError("rank 1 died"),
+        errors.EngineStartError("the draft actor did not load within ..."),
         errors.ServerShuttingDownError("the server is shutting down"),
         EngineLoopStopped("shut down"),
         _RowFailure(grpc.StatusCode.FAILED_PRECONDITION, "stale"),

@@ -12,12 +12,12 @@ import pytest
 import ray
 import torch
 
-from cactus.errors import StaleBlockError
+from cactus.errors import EngineStartError, StaleBlockError
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from tests.conftest import embedded_dirs
-from workers.group import EngineGroup, GroupConfig
+from workers.group import ActorResources, EngineGroup, GroupConfig
 from workers.grpc_drafter import GrpcDrafter
 from workers.interfaces import ProposeRow
 from workers.tp_verifier import SHM_PREFIX
@@ -309,6 +309,72 @@ def test_shutdown_leaves_no_actors_or_shm(ray_session):
             ray.get(getattr(actor, method).remote(), timeout=30)
     shm = os.path.dirname(SHM_PREFIX)
     assert not [n for n in os.listdir(shm) if n.startswith(os.path.basename(SHM_PREFIX))]
+
+
+def _engine_actors(name: str) -> list[str]:
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(name)
+    ]
+
+
+def _gone(name: str, timeout_s: float = 30.0) -> bool:
+    """True once no named actor of engine `name` is left (ray.kill is asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while _engine_actors(name):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_an_engine_that_cannot_be_placed_fails_naming_the_setting_and_leaves_nothing(
+    ray_session,
+):
+    """limits.start_timeout_s bounds the start: resources the cluster lacks give an
+    EngineStartError naming the setting and the bundles, and the engine's own placement
+    group is removed (not left pending, holding a claim on the cluster)."""
+    verifier, draft = embedded_dirs()
+    rank = ActorResources(resources={"no_such_node_resource": 1.0})
+    group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rank=rank, start_timeout_s=2.0))
+    start = time.monotonic()
+    with pytest.raises(EngineStartError) as err:
+        group.start()
+    took = time.monotonic() - start
+    message = str(err.value)
+    assert "placement group" in message and "not granted" in message, message
+    assert "limits.start_timeout_s = 2 s" in message and "no_such_node_resource" in message
+    assert 2.0 <= took < 20.0, took
+    assert group.pg is None and group.draft is None and group.ranks == []
+    wanted = [
+        entry["state"]
+        for entry in ray.util.placement_group_table().values()
+        if any("no_such_node_resource" in b for b in entry["bundles"].values())
+    ]
+    assert wanted and set(wanted) == {"REMOVED"}, wanted
+    assert _engine_actors(group.name) == []
+
+
+def test_a_failed_start_stops_the_actors_it_had_started(ray_session, tmp_path):
+    """The draft actor starts, then the verifier cannot load (an empty model folder):
+    the error is the loader's, and the draft actor and the rank are stopped."""
+    _verifier, draft = embedded_dirs()
+    group = EngineGroup(GroupConfig(str(tmp_path), draft, tp_size=1, start_timeout_s=120.0))
+    names = []
+    original = group._start_ranks
+
+    def start_ranks():
+        names.extend(_engine_actors(group.name))  # what had started before the ranks
+        original()
+
+    group._start_ranks = start_ranks
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        group.start()
+    assert str(tmp_path) in str(err.value) or "config" in str(err.value).lower(), err.value
+    assert names == [f"{group.name}.d0-draft"], names
+    assert _gone(group.name), _engine_actors(group.name)
+    assert group.pg is None and group.draft is None and group.ranks == []
 
 
 def test_a_gpu_rank_uses_the_one_gpu_ray_gave_it_and_deepspeeds_cuda_accelerator():
