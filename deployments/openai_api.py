@@ -474,12 +474,22 @@ async def sse_events(
     except Exception as err:  # headers are out: the failure goes in the stream
         done = True
         on_end("ERROR")
-        yield _sse(as_openai_error(err, request.request_id).body())
+        yield _sse(stream_error(as_openai_error(err, request.request_id)))
         yield _sse("[DONE]")
     finally:
         if not done:
             cancel(request.request_id)
             on_end("CANCELLED")
+
+
+def stream_error(error: OpenAIError) -> dict:
+    """The error event of a stream whose 200 and headers are already sent: its `code`
+    carries the status the response could no longer send (vLLM's ErrorResponse has the
+    status in `code` too), unless the error has a code of its own."""
+    body = error.body()
+    if body["error"]["code"] is None:
+        body["error"]["code"] = error.status
+    return body
 
 
 def build_routes(ingress, tokenize, logger):
@@ -496,7 +506,13 @@ def build_routes(ingress, tokenize, logger):
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
-        """Unknown routes and methods: OpenAI-shaped too (404, 405), not FastAPI's."""
+        """Unknown routes and methods: OpenAI-shaped too (404, 405), not FastAPI's.
+        With a token set, a request without it gets 401 first, so the server tells
+        an unauthenticated caller nothing about which routes exist."""
+        try:
+            ingress.authorize(request.headers.get("authorization", ""))
+        except Exception as auth:
+            return fail(auth, "")
         message = f"{request.method} {request.url.path}: {err.detail}"
         return JSONResponse(
             OpenAIError(err.status_code, message).body(),

@@ -1,5 +1,6 @@
 """Chat completions end to end: a copy of the embedded pair whose tokenizer has a chat
-template (added here), served as `make serve` serves it, the official openai client
+template (added here), served by `make serve` itself (stopped by `make stop`, in the
+last test), the official openai client
 against its HTTP port. The reply must be the verifier's greedy continuation of exactly
 the prompt the template renders."""
 
@@ -10,7 +11,6 @@ import itertools
 import json
 import re
 import shutil
-import signal
 import threading
 import time
 
@@ -54,7 +54,7 @@ def chat_server(tmp_path_factory):
         # kill test's restart succeeds at its first attempt; a short drain (the last test)
         "recovery": {"restart_attempts": 1, "drain_timeout_s": DRAIN_S},
     }
-    with serving(config, root) as (proc, ready):
+    with serving(config, root, via_make=True) as (proc, ready):  # the README's command
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)
         grpc_address = f"127.0.0.1:{port}"
         yield f"http://127.0.0.1:{http_port}/v1", dirs["verifier"], ray_address, grpc_address, proc
@@ -302,27 +302,41 @@ def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_serv
     assert after.split(".r")[0] != group, (before, after)
 
 
-def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
+def test_make_stop_drains_running_streams_then_ends_the_rest_with_unavailable(
     chat_server, heldout_prompts
 ):
-    """README: on Ctrl-C (SIGINT, as `make stop` sends) the server drains: running
-    streams get `recovery.drain_timeout_s` to finish; one still running then ends with
-    UNAVAILABLE and a message saying the server is shutting down (an error event with
-    status 503 over HTTP), after the tokens already sent; the process exits 0. Runs
-    last: it stops this module's server (drain_timeout_s 5 s). A 40-token gRPC stream
-    running at the signal ends normally with every token; an 800-token plain stream
-    (about 20 s here) over gRPC and one over HTTP are cut after the drain time, not
-    before it and not at their end. Before deployments/drain.py Serve's kill cut them
-    and the proxy said INTERNAL ("The actor died unexpectedly"). An open health Watch
-    says NOT_SERVING and ends well before the drain time (it would hold the drain)."""
+    """README: `make stop` (SIGINT to the server, as Ctrl-C) drains: running streams get
+    `recovery.drain_timeout_s` to finish; one still running then ends with UNAVAILABLE
+    and a message saying the server is shutting down (over HTTP an error event whose
+    code is 503), after the tokens already sent; the server and `make serve` exit 0,
+    and the pid file is gone. Runs last: it stops this module's server (drain_timeout_s
+    5 s). A 40-token gRPC stream running at the signal ends normally with every token;
+    an 800-token plain stream (about 20 s here) over gRPC and one over HTTP, and an
+    800-token unary call, are cut after the drain time, not before it and not at their
+    end. Before deployments/drain.py Serve's kill cut them and the proxy said INTERNAL
+    ("The actor died unexpectedly"). An open health Watch says NOT_SERVING and ends
+    well before the drain time (it would hold the drain)."""
     import httpx2
 
     from client import NO_RETRY, CactusClient
+    from deployments.serve import pidfile
+    from tests.deployments.test_serve_e2e import make
 
     base_url, *_, grpc_address, proc = chat_server
+    port = int(grpc_address.rsplit(":", 1)[1])
+    assert pidfile(port).exists()
     prompt = heldout_prompts[9]
-    results: dict[str, list] = {"short": [], "long": [], "http": []}
+    results: dict[str, list] = {"short": [], "long": [], "http": [], "unary": []}
     ended: dict[str, tuple] = {}
+
+    def unary() -> None:
+        client = CactusClient(grpc_address, timeout=120, retry=NO_RETRY)
+        results["unary"].append("sent")
+        try:
+            reply = client.generate(prompt, max_tokens=800, temperature=0.0, rule="none")
+            ended["unary"] = (time.monotonic(), reply)
+        except grpc.RpcError as err:
+            ended["unary"] = (time.monotonic(), err)
 
     def consume(name: str, max_tokens: int) -> None:
         client = CactusClient(grpc_address, timeout=120, retry=NO_RETRY)
@@ -365,6 +379,7 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
         threading.Thread(target=consume_http),
         threading.Thread(target=consume, args=("short", 40)),
         threading.Thread(target=watch),
+        threading.Thread(target=unary),
     ]
     for t in threads:
         t.start()
@@ -372,10 +387,13 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
     while not (all(results.values()) and watched) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert all(results.values()) and watched == [("SERVING", watched[0][1])], (ended, watched)
-    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # the unary call has reached the engine (nothing streams back)
+    stop = make("stop", f"PORT={port}")
     signalled = time.monotonic()
     for t in threads:
         t.join(timeout=120)
+    stopped = stop.communicate(timeout=120)[0]
+    assert stop.returncode == 0 and f"stopped the server on port {port}" in stopped, stopped
     short_at, short_status = ended["short"]
     assert short_status is None, short_status
     assert results["short"][-1].finish_reason == "LENGTH"
@@ -384,11 +402,12 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
     got = sum(len(c.token_ids) for c in results["long"])
     http_at, http_status = ended["http"]
     print(
-        f"SIGINT: short stream ended after {short_at - signalled:.1f} s; long gRPC stream "
+        f"make stop: short stream ended after {short_at - signalled:.1f} s; long gRPC stream "
         f"after {long_at - signalled:.1f} s with {got} tokens and "
         f"{status.code() if status else None}: {status.details() if status else None}; "
         f"HTTP stream after {http_at - signalled:.1f} s: {results['http'][-2:]}; "
-        f"health Watch ended after {ended['watch'][0] - signalled:.1f} s: {watched}"
+        f"health Watch ended after {ended['watch'][0] - signalled:.1f} s: {watched}; "
+        f"unary call after {ended['unary'][0] - signalled:.1f} s"
     )
     assert status is not None, results["long"][-1]
     assert status.code() == grpc.StatusCode.UNAVAILABLE, (status.code(), status.details())
@@ -400,6 +419,12 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
     assert http_status == 200 and results["http"][-1] == "[DONE]"
     error = json.loads(results["http"][-2])["error"]
     assert "shutting down" in error["message"] and error["type"] == "server_error", error
+    assert error["code"] == 503, error
+    unary_at, unary_status = ended["unary"]
+    assert isinstance(unary_status, grpc.RpcError), unary_status
+    assert unary_status.code() == grpc.StatusCode.UNAVAILABLE, unary_status.details()
+    assert "shutting down" in unary_status.details()
+    assert DRAIN_S - 0.5 <= unary_at - signalled < DRAIN_S + 20, unary_at - signalled
     texts = [json.loads(e)["choices"][0]["text"] for e in results["http"][:-2]]
     assert "".join(texts), "no tokens arrived before the cut"
     watch_at, watch_error = ended["watch"]
@@ -407,4 +432,7 @@ def test_sigint_drains_running_streams_then_ends_the_rest_with_unavailable(
     assert watch_error is None, watch_error  # ended by the server, with OK
     assert [name for name, _ in watched] == ["SERVING", "NOT_SERVING"], watched
     assert watch_at - signalled < DRAIN_S - 1, watch_at - signalled
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=120) == 0  # `make serve`, with the server's exit status
+    assert not pidfile(port).exists()
+    # the set-up `make serve` depends on was already done: nothing was installed again
+    assert "pip install" not in "".join(proc.output), "".join(proc.output[:20])

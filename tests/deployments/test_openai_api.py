@@ -241,7 +241,9 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event(ray_
     reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "stream": True})
     events = [ln[len("data: ") :] for ln in reply.text.splitlines() if ln.startswith("data: ")]
     assert reply.status_code == 200 and events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    error = json.loads(events[-2])["error"]
+    # the status the response could no longer send is the event's code (as vLLM's)
+    assert error["type"] == "server_error" and error["code"] == 503, error
 
 
 @pytest.mark.parametrize(
@@ -311,6 +313,12 @@ def test_a_model_is_retrieved_by_name_and_unknown_routes_are_openai_shaped(ray_s
         error = reply.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
         assert error["type"] == "invalid_request_error"
+        # without the token: 401, whether the route exists or not (README: every HTTP
+        # request needs the token)
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            reply = _raw(app, method, path, headers=headers)
+            assert reply.status_code == 401, reply.text
+            assert reply.json()["error"]["type"] == "authentication_error"
 
 
 def test_top_p_and_max_divergence_nats_reach_the_request(ray_session):

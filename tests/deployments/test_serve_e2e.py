@@ -106,24 +106,52 @@ def server(tmp_path_factory):
         yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
 
 
-@contextlib.contextmanager
-def serving(config: dict, folder: Path, env: dict | None = None):
-    """`python -m deployments.serve` on `config` (as `make serve` runs it): yields the
-    process and its READY line once it serves; stops it with SIGINT, which must exit 0.
-    `env`: variables exported to it on top of this process's."""
-    path = folder / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
+# A make run inside `make test` must not join the outer make's jobserver.
+_MAKE_ENV = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+
+
+def make(*args: str, **popen) -> subprocess.Popen:
+    """`make <args>` in the repository, as a user runs it (README)."""
+    env = {k: v for k, v in os.environ.items() if k not in _MAKE_ENV}
+    return subprocess.Popen(
+        ["make", *args],
         cwd=REPO,
-        env={**os.environ, **(env or {})},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        **popen,
     )
+
+
+@contextlib.contextmanager
+def serving(config: dict, folder: Path, env: dict | None = None, *, via_make: bool = False):
+    """`python -m deployments.serve` on `config` (as `make serve` runs it; `via_make`:
+    `make serve CONFIG=...` itself): yields the process and its READY line once it
+    serves; stops it with SIGINT (`make stop` for a make run), which must exit 0.
+    `env`: variables exported to it on top of this process's."""
+    path = folder / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    if via_make:
+        assert not env, "make serve runs with this process's environment"
+        proc = make("serve", f"CONFIG={path}")
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deployments.serve", "--config", str(path)],
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     ready = _wait_ready(proc, timeout_s=300)
     yield proc, ready
-    proc.send_signal(signal.SIGINT)
+    if proc.poll() is None:
+        if via_make:
+            stop = make("stop", f"PORT={config['grpc_port']}")
+            stop.communicate(timeout=120)
+        else:
+            proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0
 
 
