@@ -883,7 +883,13 @@ DOCUMENTED_METRICS = [
 ]
 
 
-def _scrape(server) -> dict[str, float]:
+class Samples(dict):
+    """name -> value; `labels`: metric name -> the label names seen on its samples."""
+
+    labels: dict[str, set[str]]
+
+
+def _scrape(server) -> Samples:
     """Every sample of the server's Prometheus endpoint (Ray's metrics export port)
     whose name starts with ray_cactus_, summed over label sets except `position`."""
     import urllib.request
@@ -897,12 +903,14 @@ def _scrape(server) -> dict[str, float]:
     )
     port = int(out.stdout.strip().splitlines()[-1])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    samples: dict[str, float] = {}
+    samples = Samples()
+    samples.labels = {}
     for line in text.splitlines():
         if not line.startswith("ray_cactus_"):
             continue
         name_labels, value = line.rsplit(" ", 1)
         name = name_labels.split("{", 1)[0]
+        samples.labels.setdefault(name, set()).update(re.findall(r'(\w+)="', name_labels))
         position = re.search(r'position="(\d+)"', name_labels)
         if position:
             name = f"{name}[{position.group(1)}]"
@@ -999,6 +1007,19 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
     realised = total("cactus_spec_realised_tokens")
     assert rows <= realised <= rows * 9
     assert 0.5 < total("cactus_spec_predicted_tokens") / realised < 2.0
+    # README: counters get Ray's `_total`, and the labels it names are on the series
+    for counter in ("cactus_spec_decode_num_drafts", "cactus_requests", "cactus_draft_failures"):
+        assert f"ray_{counter}_total" in samples.labels, sorted(samples.labels)
+    ruled = re.compile(r"ray_cactus_(spec_|divergence|cancelled_)")
+    by_rule = [n for n in samples.labels if ruled.match(n)]
+    assert len(by_rule) >= 10, by_rule
+    for name in by_rule:
+        assert "rule" in samples.labels[name], (name, samples.labels[name])
+    chosen = [n for n in samples.labels if n.startswith("ray_cactus_spec_chosen_k")]
+    assert chosen and all({"rule", "k"} <= samples.labels[n] for n in chosen), chosen
+    assert "position" in samples.labels["ray_cactus_spec_decode_num_accepted_tokens_per_pos_total"]
+    assert "finish_reason" in samples.labels["ray_cactus_requests_total"]
+    assert "actor" in samples.labels["ray_cactus_engine_restarts_total"]
 
 
 def test_stopping_the_server_drains_its_running_streams(server):
