@@ -38,6 +38,8 @@ MAX_TOKENS = 400
 TOKEN = "exported-token-42"
 KW = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "rule": "none"}
 KV_BUDGET = 768
+DEFAULT_DELTA = 0.25
+DEFAULT_MAX_TOKENS = 7
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,9 @@ def timeout_server(tmp_path_factory):
         # below the model's 1,024-token context, so one request can be too large for
         # the KV budget while the replica's own checks pass it (the last test)
         "batching": {"kv_budget_tokens": KV_BUDGET},
+        # what a request leaves unset (the defaults test)
+        "speculation": {"default_rule": "cactus", "default_delta": DEFAULT_DELTA},
+        "sampling": {"default_max_tokens": DEFAULT_MAX_TOKENS},
     }
     folder = tmp_path_factory.mktemp("timeout")
     with stale_ray_record() as (stale, dead):
@@ -199,3 +204,33 @@ def test_a_request_above_the_whole_kv_budget_is_invalid_argument_on_both_apis(ti
     assert error["param"] == "max_tokens" and "kv_budget_tokens" in error["message"], error
     served = timeout_server.client(token=TOKEN).generate("x", max_tokens=4, rule="none")
     assert len(served.token_ids) == 4
+
+
+def test_fields_a_request_leaves_unset_take_the_configs_defaults_on_both_apis(
+    timeout_server, heldout_prompts
+):
+    """README (config table): `speculation.default_rule`, `default_delta` and
+    `sampling.default_max_tokens` fill what a request leaves unset, over HTTP (a body
+    with the prompt alone) as over gRPC (the client's unset fields), and the model info
+    says which defaults apply. Greedy, so no EOS cuts the 7 tokens short (this prompt
+    runs MAX_TOKENS tokens without one: the module docstring)."""
+    import httpx2
+
+    prompt = heldout_prompts[9]
+    reply = httpx2.post(
+        timeout_server.base_url + "/completions",
+        json={"prompt": prompt, "temperature": 0.0},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert (body["cactus"]["rule"], body["cactus"]["delta"]) == ("cactus", DEFAULT_DELTA), body
+    assert body["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS, body["usage"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    client = timeout_server.client(token=TOKEN)
+    info = client.model_info()
+    assert (info.default_rule, info.default_delta) == ("cactus", DEFAULT_DELTA), info
+    served = client.generate(prompt, temperature=0.0)
+    assert len(served.token_ids) == DEFAULT_MAX_TOKENS and served.finish_reason == "LENGTH"
+    assert served.stats.num_drafts > 0  # cactus speculated (rule none would draft nothing)
