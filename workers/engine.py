@@ -376,7 +376,7 @@ class SpeculativeEngine:
             if isinstance(block, DraftBlock):
                 blocks[row.request_id] = block
             else:
-                self._drafter_failed(by_id[row.request_id])
+                self._drafter_failed(by_id[row.request_id], block)
         ks = [k if s.id in blocks else 0 for s, k in zip(running, ks, strict=True)]
         return ks, blocks
 
@@ -425,8 +425,8 @@ class SpeculativeEngine:
             epoch = block.epoch if k else state.committed
             try:
                 self.drafter.commit(state.id, epoch, accepted if k else 0, token)
-            except DRAFTER_FAILURES:
-                self._drafter_failed(state)
+            except DRAFTER_FAILURES as err:
+                self._drafter_failed(state, err)
         self.verifier.commit(state.id, accepted, token)
 
     def _prefill(self, decode_tokens: int) -> None:
@@ -488,11 +488,13 @@ class SpeculativeEngine:
         context = state.prompt_ids + state.generated
         try:
             self.drafter.start(state.id, context, state.request.sampling, state.draft_seed)
-        except DRAFTER_FAILURES:
-            self._drafter_failed(state)
+        except DRAFTER_FAILURES as err:
+            self._drafter_failed(state, err)
 
-    def _drafter_failed(self, state: RequestState) -> None:
-        """Degrade to plain decoding for the rest of the request (serving.md)."""
+    def _drafter_failed(self, state: RequestState, err: BaseException) -> None:
+        """Degrade to plain decoding for the rest of the request (serving.md); the log
+        says why, once per request and failure."""
+        log.warning("request %s goes on without drafts: %s", state.id, err)
         state.drafting = False
         state.stats.draft_failures += 1
         self.drafter.release(state.id)

@@ -9,11 +9,15 @@ piggybacked (one round trip per step); a failed piggybacked commit fails that ro
 which ends drafting for that request only.
 
 Calls that must not block the engine (Open, the prefetched ProposeBatch, Close) are
-blocking calls made on a few long-lived sender threads, not grpc's `.future()`: a
+blocking calls made on long-lived sender threads, not grpc's `.future()`: a
 `.future()` on a channel with no call in flight starts a new polling thread each time
 (about 400 threads in 25 s on rank 0 at 8 concurrent requests), and costs 0.44 against
 0.30 ms of CPU and 0.33 against 0.11 ms of latency per call in isolation
-(benchmarks/results/2026-12-02-vm-distributed.md, "Sender threads").
+(benchmarks/results/2026-12-02-vm-distributed.md, "Sender threads"). Open and Close
+go through one thread, in the order they were made: both sides hold the same number of
+rows, so the Open of a request that takes a finished one's row must not reach the
+draft side before that row's Close (it would be refused there, and the request would
+run without drafts).
 """
 
 from __future__ import annotations
@@ -81,8 +85,10 @@ class GrpcDrafter:
         ]
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.SpeculationStub(self._channel)
-        # Open, the prefetched ProposeBatch and Close run here (module docstring).
-        self._senders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-rpc")
+        # The prefetched ProposeBatch runs here, Open and Close in order on the session
+        # lane (module docstring).
+        self._senders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft-rpc")
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-session")
         self._sessions: dict[str, _ClientSession] = {}
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.round_trips: list[float] = []  # each one's seconds, until the metrics take them
@@ -97,10 +103,12 @@ class GrpcDrafter:
         with _mapped_errors():
             return method(msg, timeout=self.timeout_s)
 
-    def _send(self, method, msg) -> Future:
-        """Start a call on a sender thread; its Future gives the reply or the RpcError."""
+    def _send(self, method, msg, *, lane: bool = False) -> Future:
+        """Start a call on a sender thread (`lane`: the session lane, after every Open
+        and Close made before it); its Future gives the reply or the RpcError."""
+        pool = self._lane if lane else self._senders
         try:
-            return self._senders.submit(method, msg, timeout=self.timeout_s)
+            return pool.submit(method, msg, timeout=self.timeout_s)
         except RuntimeError as err:  # closed: as if the draft actor were gone
             raise WorkerUnavailableError(f"draft actor: client closed ({err})") from None
 
@@ -127,7 +135,7 @@ class GrpcDrafter:
             lease_s=self.lease_s,
         )
         self._sessions[request_id] = _ClientSession(
-            committed=len(prompt_ids), opening=self._send(self._stub.Open, msg)
+            committed=len(prompt_ids), opening=self._send(self._stub.Open, msg, lane=True)
         )
 
     @staticmethod
@@ -305,24 +313,17 @@ class GrpcDrafter:
     def release(self, request_id: str) -> None:
         """Send Close without waiting: the draft actor may be drafting the next batch,
         and a finished request must not hold up the step (a lost Close is covered by
-        the draft side's lease). Close follows Open, or Open would reopen the session."""
-        session = self._sessions.pop(request_id, None)
-        if session is None:
+        the draft side's lease). On the session lane it follows this request's Open (or
+        Open would reopen the session) and precedes every later Open."""
+        if self._sessions.pop(request_id, None) is None:
             return
-        msg = pb.CloseSession(request_id=request_id)
-
-        def send(_opened=None) -> None:
-            with contextlib.suppress(Exception):  # a closed channel: the lease frees it
-                self._send(self._stub.Close, msg)
-
-        if session.opening is not None:
-            session.opening.add_done_callback(send)
-        else:
-            send()
+        with contextlib.suppress(Exception):  # a closed client: the lease frees it
+            self._send(self._stub.Close, pb.CloseSession(request_id=request_id), lane=True)
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())
 
     def close(self) -> None:
         self._senders.shutdown(wait=False, cancel_futures=True)
+        self._lane.shutdown(wait=False, cancel_futures=True)
         self._channel.close()

@@ -40,6 +40,7 @@ KW = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "rule": "none"}
 KV_BUDGET = 768
 DEFAULT_DELTA = 0.25
 DEFAULT_MAX_TOKENS = 7
+MAX_NUM_SEQS = 2
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +57,15 @@ def timeout_server(tmp_path_factory):
         "limits": {"request_timeout_s": LIMIT_S},
         # below the model's 1,024-token context, so one request can be too large for
         # the KV budget while the replica's own checks pass it (the last test)
-        "batching": {"kv_budget_tokens": KV_BUDGET},
-        # what a request leaves unset (the defaults test)
-        "speculation": {"default_rule": "cactus", "default_delta": DEFAULT_DELTA},
+        # two rows: the batching test's requests wait for one
+        "batching": {"kv_budget_tokens": KV_BUDGET, "max_num_seqs": MAX_NUM_SEQS},
+        # what a request leaves unset (the defaults test); fixed: the batching test's
+        # seeded equalities need a k schedule that does not depend on timings
+        "speculation": {
+            "default_rule": "cactus",
+            "default_delta": DEFAULT_DELTA,
+            "policy": "fixed",
+        },
         "sampling": {"default_max_tokens": DEFAULT_MAX_TOKENS},
     }
     folder = tmp_path_factory.mktemp("timeout")
@@ -234,3 +241,73 @@ def test_fields_a_request_leaves_unset_take_the_configs_defaults_on_both_apis(
     served = client.generate(prompt, temperature=0.0)
     assert len(served.token_ids) == DEFAULT_MAX_TOKENS and served.finish_reason == "LENGTH"
     assert served.stats.num_drafts > 0  # cactus speculated (rule none would draft nothing)
+
+
+# Polls rank 0's load (running rows, waiting requests) until stdin closes, then prints
+# the largest of each: what the batching test's requests met on the engine.
+_LOAD_MONITOR = """
+import json, sys, threading, time, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+from workers.group import NAMESPACE
+(name,) = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+           if e["namespace"] == NAMESPACE and e["name"].endswith("-rank0")]
+rank0 = ray.get_actor(name, namespace=NAMESPACE)
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+print("POLLING", flush=True)
+top = {"running": 0, "waiting": 0}
+while not done.is_set():
+    load = ray.get(rank0.load.remote(), timeout=30)
+    top = {k: max(top[k], load[k]) for k in top}
+    time.sleep(0.01)
+print(json.dumps(top), flush=True)
+"""
+
+
+def test_requests_beyond_max_num_seqs_wait_for_a_row_and_keep_their_solo_tokens(
+    timeout_server, heldout_prompts
+):
+    """README (batching.max_num_seqs, Reproducibility): with two rows, six concurrent
+    requests of mixed rules all succeed; the engine never runs more than two rows and
+    the others wait (rank 0's load, polled); and with `speculation.policy: fixed` each
+    seeded or greedy request gives the tokens it gives alone."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.deployments.test_serve_e2e import REPO
+
+    client = timeout_server.client(token=TOKEN)
+    rules = ("cactus", "sps", "none", "cactus_exact", "tas", "cactus")
+    calls = [
+        dict(prompt=heldout_prompts[i], max_tokens=24, seed=100 + i, rule=rule, delta=1.0)
+        | ({"temperature": 0.0} if rule == "none" else {"temperature": 0.8})
+        for i, rule in enumerate(rules)
+    ]
+
+    def run(kw):
+        kw = dict(kw)
+        return client.generate(kw.pop("prompt"), **kw)
+
+    solo = [run(kw) for kw in calls]
+    monitor = subprocess.Popen(
+        [sys.executable, "-c", _LOAD_MONITOR, timeout_server.ray_address],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert monitor.stdout.readline().strip() == "POLLING"
+        with ThreadPoolExecutor(len(calls)) as pool:
+            together = list(pool.map(run, calls))
+    finally:
+        top = json.loads(monitor.communicate("", timeout=60)[0].strip().splitlines()[-1])
+    assert all(0 < len(r.token_ids) <= 24 for r in solo), [len(r.token_ids) for r in solo]
+    differ = [
+        (i, calls[i]["rule"], a.seed, b.seed, a.finish_reason, b.finish_reason, a.stats, b.stats)
+        for i, (a, b) in enumerate(zip(solo, together, strict=True))
+        if list(a.token_ids) != list(b.token_ids)
+    ]
+    assert not differ, differ
+    assert top["running"] == MAX_NUM_SEQS and top["waiting"] >= 1, top

@@ -1,0 +1,73 @@
+"""The draft client's ordering guarantees against a real draft server (in-process gRPC,
+tiny checkpoint): the verifier side and the draft side hold the same number of rows,
+so a finished request's Close must reach the draft side before the Open of the request
+that takes its row."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from cactus.params import SamplingParams
+from workers.batch_runner import BatchRunner
+from workers.draft_service import DraftServicer, start_server
+from workers.grpc_drafter import GrpcDrafter
+from workers.interfaces import DraftBlock, ProposeRow
+from workers.local import LocalDrafter
+
+
+@pytest.fixture
+def draft_server(tiny_checkpoints):
+    """A draft server with two rows on a background event loop; yields its address."""
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
+    servicer = DraftServicer(LocalDrafter(runner))
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box: dict = {}
+
+    async def serve():
+        box["server"], box["port"] = await start_server(servicer)
+        started.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(serve(), loop)
+    assert started.wait(30)
+    yield f"127.0.0.1:{box['port']}", servicer, runner
+    asyncio.run_coroutine_threadsafe(box["server"].stop(None), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_a_close_reaches_the_draft_side_before_the_open_that_takes_its_row(draft_server):
+    """Both rows are taken; one request finishes (Close) and a new one starts (Open)
+    at once. However slow the Close is on its way, the Open must not overtake it: on a
+    full draft side it would be refused (RESOURCE_EXHAUSTED) and the new request would
+    run without drafts for its whole life, its seeded tokens no longer its solo ones.
+    Served, 1 run in 10 of six concurrent requests on two rows lost its drafts so."""
+    address, servicer, runner = draft_server
+    drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+    real_close = drafter._stub.Close
+
+    def slow_close(msg, timeout=None):  # the Close is late on the wire
+        time.sleep(0.5)
+        return real_close(msg, timeout=timeout)
+
+    drafter._stub.Close = slow_close
+    sampling = SamplingParams(max_tokens=8, temperature=0.8)
+    try:
+        for rid, seed in (("a", 1), ("b", 2)):
+            drafter.start(rid, [5, 6, 7], sampling, seed)
+        first = drafter.propose([ProposeRow("a", 2), ProposeRow("b", 2)])
+        assert all(isinstance(block, DraftBlock) for block in first), first
+        drafter.commit("b", first[1].epoch, 1, 11)  # b goes on
+        drafter.release("a")  # a finished: its row is free on this side at once
+        drafter.start("c", [8, 9], sampling, 3)  # and c takes it
+        blocks = drafter.propose([ProposeRow("b", 2), ProposeRow("c", 2)])
+        assert all(isinstance(block, DraftBlock) for block in blocks), blocks
+        assert set(servicer.sessions) == {"b", "c"}
+    finally:
+        drafter.close()
