@@ -310,4 +310,6 @@ def test_requests_beyond_max_num_seqs_wait_for_a_row_and_keep_their_solo_tokens(
         if list(a.token_ids) != list(b.token_ids)
     ]
     assert not differ, differ
+    # none lost its drafts on the way (a Close overtaken by the next Open did so)
+    assert [r.stats.draft_failures for r in together] == [0] * len(calls)
     assert top["running"] == MAX_NUM_SEQS and top["waiting"] >= 1, top
