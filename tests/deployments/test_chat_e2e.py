@@ -50,6 +50,7 @@ def chat_server(tmp_path_factory):
         "tp_size": 1,
         "grpc_port": port,
         "http_port": http_port,
+        "http_host": "0.0.0.0",  # no token and HTTP on every interface: both warned of
         # one failed gang restart and the replica gives up (the replacement test); the
         # kill test's restart succeeds at its first attempt; a short drain (the last test)
         "recovery": {"restart_attempts": 1, "drain_timeout_s": DRAIN_S},
@@ -227,11 +228,23 @@ def _complete(base_url: str, prompt: str):
 
 def test_a_server_without_a_token_warns_that_auth_is_off(chat_server):
     """README: with no token configured or exported, the launcher prints a warning that
-    auth is off and the gRPC port is reachable from other hosts, under its READY line."""
-    *_, proc = chat_server
+    auth is off and the gRPC port is reachable from other hosts, under its READY line;
+    with `http_host: 0.0.0.0` it adds that HTTP is too."""
+    import psutil
+
+    base_url, *_, proc = chat_server
     out = "".join(proc.output)
     assert "WARNING: auth is off and the gRPC port is reachable from other hosts" in out
     assert "export CACTUS_AUTH_TOKEN=<token>" in out
+    # http_host 0.0.0.0: the warning says HTTP is reachable too, and so does the socket
+    assert "(and so is HTTP)" in out
+    http_port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+    bound = {
+        conn.laddr.ip
+        for conn in psutil.net_connections(kind="tcp")
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == http_port
+    }
+    assert bound == {"0.0.0.0"}, bound
 
 
 def _rank0_names(ray_address: str) -> list[str]:
