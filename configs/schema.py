@@ -48,7 +48,10 @@ def doc(text: str, default=..., default_factory=None):
 class ModelsConfig(_Model):
     verifier: Str = doc("verifier checkpoint folder (Hugging Face layout)", "models/verifier")
     draft: Str = doc("draft checkpoint folder; must share the verifier's tokenizer", "models/draft")
-    dtype: Str = doc("float32, bfloat16 or float16", "float32")
+    dtype: Str = doc(
+        "float32, bfloat16 or float16 (float16 with tp_size > 1 needs models.device cuda)",
+        "float32",
+    )
     device: Str = doc("cpu or cuda", "cpu")
 
 
@@ -277,6 +280,12 @@ def validate(c: ServeConfig) -> None:
         c.models.dtype in ("float32", "bfloat16", "float16"),
         "models.dtype",
         f"must be float32, bfloat16 or float16, got {c.models.dtype!r}",
+    )
+    _check(
+        not (c.models.dtype == "float16" and c.models.device == "cpu" and c.tp_size > 1),
+        "models.dtype",
+        "float16 tensor parallelism is not supported on CPU (DeepSpeed's CPU accelerator "
+        "refuses it); use bfloat16 or float32, or tp_size 1",
     )
     _check(
         c.models.device in ("cpu", "cuda"),

@@ -102,6 +102,11 @@ class EngineGroup:
     ) -> None:
         if config.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {config.tp_size}")
+        if config.dtype == "float16" and config.device == "cpu" and config.tp_size > 1:
+            raise ValueError(
+                "dtype: float16 tensor parallelism is not supported on CPU (DeepSpeed's CPU "
+                "accelerator refuses it); use bfloat16 or float32, or tp_size 1"
+            )
         self.config = config
         self.limits = limits
         self.draft = None

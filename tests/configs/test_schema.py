@@ -39,6 +39,7 @@ def test_cluster_example_is_multi_node():
         ({"tp_sise": 2}, "tp_sise"),
         ({"speculation": {"delta_cieling": 1}}, "speculation.delta_cieling"),
         ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": 2, "models": {"dtype": "float16"}}, "models.dtype"),
         ({"tp_size": "2"}, "tp_size"),
         ({"speculation": {"delta_ceiling": -1}}, "speculation.delta_ceiling"),
         ({"speculation": {"default_delta": 9.0}}, "speculation.default_delta"),

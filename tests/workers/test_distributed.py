@@ -377,6 +377,28 @@ def test_a_failed_start_stops_the_actors_it_had_started(ray_session, tmp_path):
     assert group.pg is None and group.draft is None and group.ranks == []
 
 
+def test_bfloat16_tp2_gives_the_in_process_bfloat16_greedy_tokens(ray_session, heldout_prompts):
+    """README (models.dtype): bfloat16 runs sharded too (gloo all-reduces bfloat16 on
+    CPU); float16 with tp_size > 1 on CPU is refused before anything starts, naming
+    the field (DeepSpeed's CPU accelerator raises it only inside the rank's init)."""
+    from workers.local import local_engine
+
+    verifier, draft = embedded_dirs()
+    with pytest.raises(ValueError, match="dtype: float16"):
+        EngineGroup(GroupConfig(verifier, draft, tp_size=2, dtype="float16"))
+    local = local_engine(verifier, draft, dtype="bfloat16")
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=2, dtype="bfloat16", speculation_policy="fixed")
+    ).start()
+    try:
+        req = _req(heldout_prompts[2], "bf16", rule="sps", delta=0.0, temperature=0.0)
+        got = group.generate(req)
+        want = local.generate(replace(req, request_id="bf16-local"))
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 32
+    finally:
+        group.shutdown()
+
+
 def test_a_gpu_rank_uses_the_one_gpu_ray_gave_it_and_deepspeeds_cuda_accelerator():
     """On CUDA each rank actor sees only its own GPU (Ray's CUDA_VISIBLE_DEVICES), so
     DeepSpeed's set_device(LOCAL_RANK) must get 0, not the rank; and DeepSpeed's
