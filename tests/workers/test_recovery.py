@@ -236,6 +236,62 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
         group.shutdown()
 
 
+def test_a_hung_follower_rank_restarts_the_group_and_the_stream_resumes(
+    ray_session, embedded_engine, heldout_prompts
+):
+    """README (an actor that hangs), for the one rank the test above leaves out: a
+    follower of a TP = 2 group stopped (SIGSTOP) mid-stream blocks rank 0's all-reduce;
+    its probe times out, the group restarts (the stopped process is ended, not waited
+    for) and the greedy stream resumes to its uninterrupted tokens."""
+    import os
+    import signal
+
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=2, rpc_timeout_s=5, speculation_policy="fixed")
+    ).start()
+    probe_s = 2.0
+    sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=probe_s))
+    reqs = [_req(_prompts(embedded_engine, heldout_prompts[4:], 1)[0], "hung-f", temperature=0.0)]
+    reqs[0] = replace(reqs[0], sampling=replace(reqs[0].sampling, max_tokens=300))
+    from workers.processes import identity, is_running
+
+    ident = ray.get(group.ranks[1].__ray_call__.remote(lambda _self: identity()))
+    follower = ident["pid"]
+
+    async def scenario():
+        chunks, tasks, health, stop, poll = _streams_under_watch(sup, reqs)
+        while not all(chunks):
+            await asyncio.sleep(0.01)
+        os.kill(follower, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not sup.counters["rank_restarts"] and time.monotonic() - stopped < 30:
+            await asyncio.sleep(0.02)
+        noticed = time.monotonic() - stopped
+        while sup.state != "SERVING" or not sup.counters["rank_restarts"]:
+            assert time.monotonic() - stopped < 120, sup.state
+            await asyncio.sleep(0.05)
+        serving = time.monotonic() - stopped
+        await asyncio.gather(*tasks)
+        stop.set()
+        await poll
+        return chunks, health, noticed, serving
+
+    try:
+        chunks, health, noticed, serving = asyncio.run(scenario())
+        assert noticed < probe_s + 3.0 and serving < 60.0, (noticed, serving)
+        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        _check_streams(reqs, chunks, embedded_engine)
+        assert chunks[0][-1].result.stats.resumed >= 1
+        assert sup.counters["rank_restarts"] == 1 and sup.state == "SERVING"
+        assert not is_running(ident)  # ended by the group, not left stopped
+        print(f"hung follower: noticed after {noticed:.1f} s, serving again after {serving:.1f} s")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(follower, signal.SIGCONT)
+        group.shutdown()
+
+
 def test_hung_actors_are_declared_dead_by_their_probe(
     ray_session, embedded_engine, heldout_prompts
 ):
