@@ -605,6 +605,25 @@ def test_the_asyncio_client_matches_the_blocking_one(server):
     assert health == "SERVING"
 
 
+def test_an_exception_in_a_stream_loop_cancels_it_on_the_server(server, long_prompt):
+    """README (the client): leaving a `stream` loop by an exception cancels the call
+    too, as a `break` does (test_cancel_mid_stream_frees_the_caches): the request stops
+    in the engine, not at its end."""
+    client = server.client()
+
+    class Leave(Exception):
+        pass
+
+    def leave_early() -> bool:
+        with pytest.raises(Leave):
+            for i, _chunk in enumerate(client.stream(long_prompt, time_limit_s=60.0, **CANCEL_KW)):
+                if i == 2:
+                    raise Leave
+        return _caches_free(server, within_s=20.0)
+
+    _stops_in_three_tries(server, leave_early)
+
+
 def test_leaving_an_asyncio_stream_early_cancels_it_on_the_server(server, long_prompt):
     """README (the client): leaving a `stream` loop early cancels the call in both
     clients. For the asyncio client a `break` leaves its async generator suspended; its
