@@ -47,7 +47,8 @@ def test_a_close_reaches_the_draft_side_before_the_open_that_takes_its_row(draft
     at once. However slow the Close is on its way, the Open must not overtake it: on a
     full draft side it would be refused (RESOURCE_EXHAUSTED) and the new request would
     run without drafts for its whole life, its seeded tokens no longer its solo ones.
-    Served, 1 run in 10 of six concurrent requests on two rows lost its drafts so."""
+    Served, six concurrent requests on two rows lost a request's drafts so in 2 of about
+    25 runs."""
     address, servicer, runner = draft_server
     drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
     real_close = drafter._stub.Close

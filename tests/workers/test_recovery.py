@@ -17,6 +17,7 @@ from cactus.errors import EngineFailedError, is_engine_failure, is_unavailable
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.conftest import embedded_dirs
 from workers.group import EngineGroup, GroupConfig
+from workers.processes import identity, is_running
 from workers.supervisor import EngineSupervisor, RecoveryConfig
 
 pytestmark = pytest.mark.slow
@@ -236,6 +237,20 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
         group.shutdown()
 
 
+PROBE_S = 2.0  # the hung-actor tests' probe timeout
+
+
+def _probed_group(tp_size: int):
+    """A started group and its supervisor, probing every 0.2 s with a PROBE_S timeout."""
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=tp_size, rpc_timeout_s=5, speculation_policy="fixed")
+    ).start()
+    return group, EngineSupervisor(
+        group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=PROBE_S)
+    )
+
+
 def test_a_hung_follower_rank_restarts_the_group_and_the_stream_resumes(
     ray_session, embedded_engine, heldout_prompts
 ):
@@ -246,16 +261,9 @@ def test_a_hung_follower_rank_restarts_the_group_and_the_stream_resumes(
     import os
     import signal
 
-    verifier, draft = embedded_dirs()
-    group = EngineGroup(
-        GroupConfig(verifier, draft, tp_size=2, rpc_timeout_s=5, speculation_policy="fixed")
-    ).start()
-    probe_s = 2.0
-    sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=probe_s))
-    reqs = [_req(_prompts(embedded_engine, heldout_prompts[4:], 1)[0], "hung-f", temperature=0.0)]
-    reqs[0] = replace(reqs[0], sampling=replace(reqs[0].sampling, max_tokens=300))
-    from workers.processes import identity, is_running
-
+    group, sup = _probed_group(tp_size=2)
+    (prompt,) = _prompts(embedded_engine, heldout_prompts[4:], 1)
+    reqs = [_req(prompt, "hung-f", temperature=0.0, max_tokens=300)]
     ident = ray.get(group.ranks[1].__ray_call__.remote(lambda _self: identity()))
     follower = ident["pid"]
 
@@ -279,7 +287,7 @@ def test_a_hung_follower_rank_restarts_the_group_and_the_stream_resumes(
 
     try:
         chunks, health, noticed, serving = asyncio.run(scenario())
-        assert noticed < probe_s + 3.0 and serving < 60.0, (noticed, serving)
+        assert noticed < PROBE_S + 3.0 and serving < 60.0, (noticed, serving)
         assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
         _check_streams(reqs, chunks, embedded_engine)
         assert chunks[0][-1].result.stats.resumed >= 1
@@ -303,12 +311,7 @@ def test_hung_actors_are_declared_dead_by_their_probe(
     import os
     import signal
 
-    verifier, draft = embedded_dirs()
-    group = EngineGroup(
-        GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
-    ).start()
-    probe_s = 2.0
-    sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=probe_s))
+    group, sup = _probed_group(tp_size=1)
     prompts = _prompts(embedded_engine, heldout_prompts[2:], 2)
     reqs = [_req(p, f"hung{i}", temperature=0.0, max_tokens=600) for i, p in enumerate(prompts)]
     stopped_pids: list[int] = []
@@ -355,7 +358,7 @@ def test_hung_actors_are_declared_dead_by_their_probe(
         # noticed after the probe's timeout and a check period or two; replaced (a new
         # process loads its model) in well under a minute, not after Ray's own
         # start_timeout_s waiting for the hung process's bundle (workers/processes.py)
-        assert draft_s[0] < probe_s + 3.0 and rank_s[0] < probe_s + 3.0, (draft_s, rank_s)
+        assert draft_s[0] < PROBE_S + 3.0 and rank_s[0] < PROBE_S + 3.0, (draft_s, rank_s)
         assert draft_s[1] < 45.0 and rank_s[1] < 60.0, (draft_s, rank_s)
         assert all(ok for ok, _, _ in draft_health)  # a hung draft: degraded, never down
         assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
