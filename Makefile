@@ -92,11 +92,20 @@ GRPC_PORT = $(or $(PORT),$(shell $(PY) -c 'from configs.schema import load_confi
 serve: setup
 	$(PY) -m deployments.serve --config $(CONFIG) $(if $(PORT),--port $(PORT),) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
 
-# Stops the server on GRPC_PORT (one pid file per gRPC port).
+# Stops the server on GRPC_PORT (one pid file per gRPC port): SIGINT, which drains, then
+# a bounded wait. A server still there after STOP_TIMEOUT seconds (default: the config's
+# recovery.drain_timeout_s + 60, room for Serve's backstop and Ray's own shutdown) is
+# SIGKILLed, as Kubernetes ends a pod after its grace period (the Ray head it started
+# shares its fate), and make stop fails saying so.
+STOP_TIMEOUT = $(or $(shell $(PY) -c 'from configs.schema import load_config; print(int(load_config("$(CONFIG)").recovery.drain_timeout_s) + 60)' 2>/dev/null),90)
 stop:
 	@pid=$(CACHE)/serve-$(GRPC_PORT).pid; \
-	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null; then kill -INT $$(cat $$pid); \
-	  while kill -0 $$(cat $$pid 2>/dev/null) 2>/dev/null; do sleep 1; done; \
+	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null; then p=$$(cat $$pid); kill -INT $$p; \
+	  waited=0; while kill -0 $$p 2>/dev/null; do \
+	    if [ $$waited -ge $(STOP_TIMEOUT) ]; then \
+	      echo "the server on port $(GRPC_PORT) (pid $$p) did not stop within $(STOP_TIMEOUT)s of SIGINT: killed it (SIGKILL)" >&2; \
+	      kill -KILL $$p 2>/dev/null; rm -f $$pid; exit 1; fi; \
+	    sleep 1; waited=$$((waited + 1)); done; \
 	  echo "stopped the server on port $(GRPC_PORT)"; \
 	else rm -f $$pid; echo "no server running on port $(GRPC_PORT)"; fi
 

@@ -1,17 +1,20 @@
-"""`make stop` is per port: it stops the server on PORT only and says when none runs."""
+"""`make stop` is per port: it stops the server on PORT only, says when none runs, and
+waits a bounded time."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _make_stop(port: str) -> subprocess.CompletedProcess:
+def _make_stop(port: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["make", "-s", "stop", f"PORT={port}"],
+        ["make", "-s", "stop", f"PORT={port}", *extra],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -69,6 +72,60 @@ def test_make_stop_stops_only_the_server_on_its_port():
         sleeper.kill()
         pid.unlink(missing_ok=True)
         other.unlink(missing_ok=True)
+
+
+def test_make_stop_kills_a_server_that_outlasts_stop_timeout():
+    """A server that does not exit after SIGINT (a wedged shutdown) is SIGKILLed after
+    STOP_TIMEOUT seconds, and make stop fails saying so, rather than wait for ever."""
+    port = "59937"
+    pid = REPO / ".cache" / f"serve-{port}.pid"
+    stuck = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert stuck.stdout.readline().strip() == "ready"
+        pid.parent.mkdir(exist_ok=True)
+        pid.write_text(str(stuck.pid))
+        reaper = threading.Thread(target=stuck.wait)
+        reaper.start()
+        t0 = time.monotonic()
+        out = _make_stop(port, "STOP_TIMEOUT=2")
+        took = time.monotonic() - t0
+        assert out.returncode != 0, out.stdout + out.stderr
+        assert (
+            f"the server on port {port} (pid {stuck.pid}) did not stop within 2s of SIGINT: "
+            "killed it (SIGKILL)" in out.stderr
+        ), out.stderr
+        reaper.join(timeout=10)
+        assert stuck.returncode == -signal.SIGKILL
+        assert not pid.exists()
+        assert 2 <= took < 30, took
+    finally:
+        stuck.kill()
+        pid.unlink(missing_ok=True)
+
+
+def test_make_stops_wait_is_bounded_by_the_configs_drain_time(tmp_path):
+    """STOP_TIMEOUT's default is the config's recovery.drain_timeout_s + 60."""
+    cfg = tmp_path / "short-drain.yaml"
+    cfg.write_text("grpc_port: 59938\nrecovery:\n  drain_timeout_s: 5\n")
+
+    def bound(*args: str) -> str:
+        dry = subprocess.run(
+            ["make", "-n", "stop", *args], cwd=REPO, capture_output=True, text=True
+        )
+        return dry.stdout
+
+    assert "-ge 65 ]" in bound(f"CONFIG={cfg}")
+    assert "-ge 90 ]" in bound("PORT=59938")  # configs/default.yaml: 30 s
+    assert "-ge 7 ]" in bound(f"CONFIG={cfg}", "STOP_TIMEOUT=7")
 
 
 def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path):
