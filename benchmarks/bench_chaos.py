@@ -340,7 +340,7 @@ def markdown(r: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 kill of each, 4 clients")
+    parser.add_argument("--quick", action="store_true", help="1 kill of each, 4 clients, 8 s apart")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--kills", type=int, default=2, help="kills of each actor")
     parser.add_argument("--hangs", type=int, default=1, help="SIGSTOPs of each actor")
@@ -351,7 +351,7 @@ def main(argv=None) -> None:
     parser.add_argument("--md", type=Path, default=None, help="also write the tables here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.clients, args.kills, args.hangs, args.gap = 4, 1, 0, 12.0
+        args.clients, args.kills, args.hangs, args.gap = 4, 1, 0, 8.0
 
     from cactus import environment
 

@@ -462,7 +462,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 and 8 clients, one round of 3 s")
+    parser.add_argument("--quick", action="store_true", help="8 clients, one round of 3 s")
     parser.add_argument("--levels", type=int, nargs="+", default=None)
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument(
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
         default=None,
         help="rounds per cell at every level (default: ROUNDS_AT)",
     )
-    parser.add_argument("--warmup", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=None, help="seconds (8; 4 with --quick)")
     parser.add_argument(
         "--race-after", type=int, default=2, help="rounds before clearly slower fixed K drop out"
     )
@@ -481,7 +481,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
-    args.levels = args.levels or ([1, 8] if args.quick else [1, 4, 8, 16])
+    args.levels = args.levels or ([8] if args.quick else [1, 4, 8, 16])
     args.seconds = args.seconds or (3.0 if args.quick else 5.0)
     args.rounds_at = {
         level: args.rounds or (1 if args.quick else ROUNDS_AT.get(level, ROUNDS))
@@ -489,6 +489,8 @@ def main(argv=None) -> int:
     }
     if args.settle is None:
         args.settle = 1.0 if args.quick else 2.0
+    if args.warmup is None:
+        args.warmup = 4.0 if args.quick else 8.0
     from cactus import environment
 
     environment.apply()

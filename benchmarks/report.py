@@ -139,12 +139,19 @@ def write_report(
     command="",
     chaos="",
     policy="",
+    phases=None,
 ) -> None:
+    """phases: phase name -> seconds, shown beside the wall time."""
+    spent = (
+        " (" + ", ".join(f"{name} {sec:.0f} s" for name, sec in phases.items()) + ")"
+        if phases
+        else ""
+    )
     plots = [*extra_plots, *_plots(path, quality, load)]
     lines = [
         f"# Cactus benchmark report ({mode})",
         "",
-        f"Machine: {machine}. Wall time {seconds / 60:.1f} min. Command: "
+        f"Machine: {machine}. Wall time {seconds / 60:.1f} min{spent}. Command: "
         f"`python -m benchmarks.run{' ' + command if command else ''}`. "
         "Generated; do not edit by hand.",
         "",

@@ -13,7 +13,8 @@ never hand-edited). Phases:
   4. speculation policy: goodput vs fixed K = 0..8, served (benchmarks/bench_policy.py)
   5. chaos: engine actors killed under streaming load (benchmarks/bench_chaos.py)
   6. plots
---quick finishes in under 10 minutes on 2 cores; --tiny (used by the test suite) in
+--quick finishes in under 10 minutes on 2 cores (9.0 here; the report's first line gives
+each phase's time); --tiny (used by the test suite) in
 well under a minute.
 """
 
@@ -33,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 SETTINGS = {
     "full": {"tasks": 60, "max_tokens": 96, "levels": [1, 4, 8, 16], "seconds": 20.0},
-    "quick": {"tasks": 12, "max_tokens": 48, "levels": [1, 4, 8, 16], "seconds": 6.0},
+    "quick": {"tasks": 6, "max_tokens": 48, "levels": [1, 4, 8, 16], "seconds": 3.0},
     "tiny": {"tasks": 2, "max_tokens": 8, "levels": [1], "seconds": 2.0},
 }
 
@@ -69,7 +70,7 @@ def micro(mode: str, stem: Path) -> tuple[str, list[str]]:
             sys.executable,
             "-m",
             "benchmarks.bench_acceptance",
-            *(["--prompts", "8", "--tokens", "32"] if mode != "full" else []),
+            *(["--prompts", "4", "--tokens", "32"] if mode != "full" else []),
         ],
         [sys.executable, "-m", "benchmarks.bench_distributed", *quick],
         [sys.executable, "-m", "benchmarks.bench_http", *quick],
@@ -81,7 +82,7 @@ def micro(mode: str, stem: Path) -> tuple[str, list[str]]:
             "--pair",
             "qwen3",
             "--batches",
-            "1,4,16,32",
+            "1,4,16,32" if mode == "full" else "1,4,16",
             "--max-tokens",
             "32",
             *quick,
@@ -92,11 +93,13 @@ def micro(mode: str, stem: Path) -> tuple[str, list[str]]:
     out = []
     progress = Progress("micro", len(commands))
     for cmd in commands:
+        t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+        took = time.monotonic() - t0
         table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
         shown = ["python", *[str(Path(c).name) if c.endswith(".png") else c for c in cmd[1:]]]
         out.append(
-            f"`{' '.join(shown)}`\n\n"
+            f"`{' '.join(shown)}` ({took:.0f} s)\n\n"
             + "\n".join(
                 table
                 or [f"(failed, exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]})"]
@@ -189,13 +192,24 @@ def main(argv=None) -> int:
     host = socket.gethostname().split(".")[0] or "host"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{stamp}-{host}{'' if mode == 'full' else '-' + mode}.md"
-    micro_text, micro_plots = ("", []) if args.skip_micro else micro(mode, path.with_suffix(""))
-    tasks, quality = ([], []) if args.skip_quality else quality_phase(mode)
-    load = [] if args.skip_load else load_phase(mode)
-    policy, policy_plots = (
-        ("", []) if args.skip_policy or mode == "tiny" else policy_phase(mode, path.with_suffix(""))
+    phases: dict[str, float] = {}  # seconds each phase took, for the report's first line
+
+    def timed(name, skip, run, empty):
+        if skip:
+            return empty
+        t0 = time.monotonic()
+        result = run()
+        phases[name] = time.monotonic() - t0
+        return result
+
+    stem = path.with_suffix("")
+    micro_text, micro_plots = timed("micro", args.skip_micro, lambda: micro(mode, stem), ("", []))
+    tasks, quality = timed("quality", args.skip_quality, lambda: quality_phase(mode), ([], []))
+    load = timed("load", args.skip_load, lambda: load_phase(mode), [])
+    policy, policy_plots = timed(
+        "policy", args.skip_policy or mode == "tiny", lambda: policy_phase(mode, stem), ("", [])
     )
-    chaos = "" if args.skip_chaos or mode == "tiny" else chaos_phase(mode)
+    chaos = timed("chaos", args.skip_chaos or mode == "tiny", lambda: chaos_phase(mode), "")
 
     from benchmarks.report import write_report
 
@@ -214,6 +228,7 @@ def main(argv=None) -> int:
         command=" ".join(sys.argv[1:]),
         chaos=chaos,
         policy=policy,
+        phases=phases,
     )
     print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return 0

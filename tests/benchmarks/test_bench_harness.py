@@ -25,6 +25,9 @@ def test_tiny_bench_writes_a_report_with_plots(tmp_path):
     reports = list(tmp_path.glob("*-tiny.md"))
     assert len(reports) == 1
     text = reports[0].read_text()
+    # the first line gives the time of each phase that ran (micro was skipped)
+    spent = re.search(r"Wall time [\d.]+ min \(quality (\d+) s, load (\d+) s\)\.", text)
+    assert spent, text.splitlines()[2]
     rows = [
         ln
         for ln in text.splitlines()
