@@ -119,8 +119,10 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     stream). One greedy SSE stream on this TP = 1 server (default goodput policy) while
     the draft actor and then rank 0 are killed: it ends without an error event, its text
     is the verifier's uninterrupted greedy text, and the chunk with the finish_reason
-    says it was degraded and resumed. A unary request sent right after the rank kill
-    waits for the restart and is served."""
+    says it was degraded and resumed. A seeded sampled stream beside it (with logprobs,
+    which name every token) resumes too, with no gap and no repeat: the tokens it
+    streamed are exactly its usage's completion tokens, max_tokens of them. A unary
+    request sent right after the rank kill waits for the restart and is served."""
     import httpx2
 
     base_url, _, ray_address, grpc_address, _ = chat_server
@@ -159,6 +161,30 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     def text() -> str:
         return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
 
+    sampled: list[dict] = []
+
+    def consume_sampled():
+        body = {
+            "model": "verifier",
+            "prompt": heldout_prompts[4],
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "top_k": 20,
+            "seed": 11,
+            "logprobs": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "rule": "cactus",
+            "delta": 1.0,
+        }
+        with (
+            httpx2.Client(timeout=300) as http,
+            http.stream("POST", f"{base_url}/completions", json=body) as reply,
+        ):
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    sampled.append(json.loads(line[len("data: ") :]))
+
     # README (Standard services): a Watch sends the status now, then every change
     watched: list[tuple[str, float]] = []
     channel = grpc.insecure_channel(grpc_address)
@@ -173,9 +199,11 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     watcher = threading.Thread(target=watch)
     watcher.start()
     reader = threading.Thread(target=consume)
+    sampler = threading.Thread(target=consume_sampled)
     with killer(ray_address) as kill:
         reader.start()
-        while not events and reader.is_alive():
+        sampler.start()
+        while not (events and sampled) and reader.is_alive() and sampler.is_alive():
             time.sleep(0.05)
         kill("draft")
         at_draft_kill = len(text())
@@ -189,8 +217,9 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         arrival = threading.Thread(target=lambda: late.append(_complete(base_url, "def g():")))
         arrival.start()
         reader.join(timeout=300)
+        sampler.join(timeout=300)
         arrival.join(timeout=300)
-    assert not reader.is_alive()
+    assert not reader.is_alive() and not sampler.is_alive()
     assert late and late[0].status_code == 200, late
     assert late[0].json()["choices"][0]["finish_reason"] == "length", late[0].text
     lines = [line for line in raw if line]
@@ -201,6 +230,16 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] in ("length", "stop")
     stats = final[0]["cactus"]
     assert stats["draft_failures"] >= 1 and stats["degraded"] and stats["resumed"] >= 1, stats
+    # the sampled stream: resumed, every token streamed once
+    assert not any("error" in e for e in sampled), [e for e in sampled if "error" in e]
+    choices = [e["choices"][0] for e in sampled if e.get("choices")]
+    streamed = sum(len(c["logprobs"]["tokens"]) for c in choices)
+    usage = [e["usage"] for e in sampled if e.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == streamed == max_tokens, (usage, streamed)
+    ended = [c for c in choices if c.get("finish_reason")]
+    assert len(ended) == 1 and ended[0]["finish_reason"] == "length", ended
+    closing = [e for e in sampled if e.get("choices") and e["choices"][0].get("finish_reason")]
+    assert closing[0]["cactus"]["resumed"] >= 1 and closing[0]["cactus"]["seed"] == 11
     # and the server serves the next request normally
     reply = _complete(base_url, "def f():")
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
