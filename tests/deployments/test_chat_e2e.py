@@ -137,53 +137,24 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     assert len(want.token_ids) == max_tokens  # long enough to run through both kills
     events: list[dict] = []
     raw: list[str] = []
+    sampled: list[dict] = []
+    body = {"model": "verifier", "max_tokens": max_tokens, "stream": True, "rule": "cactus"}
 
-    def consume():
-        body = {
-            "model": "verifier",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "rule": "cactus",
-            "delta": 1.0,
-        }
+    def consume(fields: dict, into: list[dict], lines: list[str]) -> None:
+        """One SSE completion stream: its status and lines into `lines`, its events
+        (all but [DONE]) into `into`."""
         with (
             httpx2.Client(timeout=300) as http,
-            http.stream("POST", f"{base_url}/completions", json=body) as reply,
+            http.stream("POST", f"{base_url}/completions", json={**body, **fields}) as reply,
         ):
-            raw.append(str(reply.status_code))
+            lines.append(str(reply.status_code))
             for line in reply.iter_lines():
-                raw.append(line)
+                lines.append(line)
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[len("data: ") :]))
+                    into.append(json.loads(line[len("data: ") :]))
 
     def text() -> str:
         return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-
-    sampled: list[dict] = []
-
-    def consume_sampled():
-        body = {
-            "model": "verifier",
-            "prompt": heldout_prompts[4],
-            "max_tokens": max_tokens,
-            "temperature": 0.8,
-            "top_k": 20,
-            "seed": 11,
-            "logprobs": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "rule": "cactus",
-            "delta": 1.0,
-        }
-        with (
-            httpx2.Client(timeout=300) as http,
-            http.stream("POST", f"{base_url}/completions", json=body) as reply,
-        ):
-            for line in reply.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    sampled.append(json.loads(line[len("data: ") :]))
 
     # README (Standard services): a Watch sends the status now, then every change
     watched: list[tuple[str, float]] = []
@@ -198,8 +169,11 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    reader = threading.Thread(target=consume)
-    sampler = threading.Thread(target=consume_sampled)
+    greedy = {"prompt": prompt, "temperature": 0.0, "delta": 1.0}
+    reader = threading.Thread(target=consume, args=(greedy, events, raw))
+    seeded = {"prompt": heldout_prompts[4], "temperature": 0.8, "top_k": 20, "seed": 11}
+    seeded |= {"delta": 1.0, "logprobs": 0, "stream_options": {"include_usage": True}}
+    sampler = threading.Thread(target=consume, args=(seeded, sampled, []))
     with killer(ray_address) as kill:
         reader.start()
         sampler.start()
@@ -236,9 +210,8 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     streamed = sum(len(c["logprobs"]["tokens"]) for c in choices)
     usage = [e["usage"] for e in sampled if e.get("usage")]
     assert usage and usage[-1]["completion_tokens"] == streamed == max_tokens, (usage, streamed)
-    ended = [c for c in choices if c.get("finish_reason")]
-    assert len(ended) == 1 and ended[0]["finish_reason"] == "length", ended
     closing = [e for e in sampled if e.get("choices") and e["choices"][0].get("finish_reason")]
+    assert len(closing) == 1 and closing[0]["choices"][0]["finish_reason"] == "length", closing
     assert closing[0]["cactus"]["resumed"] >= 1 and closing[0]["cactus"]["seed"] == 11
     # and the server serves the next request normally
     reply = _complete(base_url, "def f():")
