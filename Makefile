@@ -78,7 +78,7 @@ gpu-check: setup
 	$(PY) -m benchmarks.bench_batch --device cuda --quick
 	$(PY) -m benchmarks.bench_batch --device cuda --quick --pair qwen3
 
-# Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min (9
+# Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min (8.6
 # here), written to <date>-<host>-quick.md.
 bench: setup
 	$(PY) -m benchmarks.run $(if $(QUICK),--quick,)

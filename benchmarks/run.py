@@ -13,7 +13,7 @@ never hand-edited). Phases:
   4. speculation policy: goodput vs fixed K = 0..8, served (benchmarks/bench_policy.py)
   5. chaos: engine actors killed under streaming load (benchmarks/bench_chaos.py)
   6. plots
---quick finishes in under 10 minutes on 2 cores (9.0 here; the report's first line gives
+--quick finishes in under 10 minutes on 2 cores (8.6 here; the report's first line gives
 each phase's time); --tiny (used by the test suite) in
 well under a minute.
 """
