@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import socket
 import threading
 import time
@@ -31,7 +32,35 @@ from workers.batch_runner import BatchRunner
 SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
 
 
+# Ports picked for a later bind come from below the kernel's ephemeral range and above
+# Ray's worker ports (10002-19999 by default): a port from the ephemeral range can be
+# given to any outgoing connection (Ray opens hundreds while it starts) between the pick
+# and the bind, and the bind then fails ("Failed to bind to address").
+PICKED_PORTS_FROM = 20000
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server (or a rendezvous) that binds it
+    later: chosen at random outside the ephemeral range (above), falling back to one the
+    kernel picks where that range leaves no room."""
+    stop = _ephemeral_start()
+    rng = random.Random()  # seeded from the OS: not the program's seeded global one
+    for _ in range(64) if stop - PICKED_PORTS_FROM >= 1000 else ():
+        port = rng.randrange(PICKED_PORTS_FROM, stop)
+        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            try:  # every address: the server may listen on 0.0.0.0
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

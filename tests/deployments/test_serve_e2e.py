@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ class Server:
         self.proc, self.address, self.ray_address = proc, address, ray_address
         self.http_port = http_port
         self.base_url = f"http://127.0.0.1:{http_port}/v1"
+        self._probe: subprocess.Popen | None = None  # see _ask
 
     def openai(self, token=TOKEN):
         import openai
@@ -48,36 +50,78 @@ class Server:
         return CactusClient(self.address, token=token, timeout=120, **kw)
 
     def cache_counts(self) -> dict:
-        code = (
-            f"import json, ray; ray.init(address={self.ray_address!r}, log_to_driver=False);"
-            "from workers.group import engine_cache_counts;"
-            "print(json.dumps(engine_cache_counts()))"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO,
-            env=os.environ.copy(),
-        )
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        """Every engine's draft and verifier cache counts (workers.group)."""
+        return self._ask("counts")
 
     def decode_steps(self) -> int:
         """Decode steps rank 0's engine has run since it started."""
-        code = (
-            f"import ray; ray.init(address={self.ray_address!r}, log_to_driver=False);"
-            "from workers.group import NAMESPACE;"
-            "names = [e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
-            " if e['namespace'] == NAMESPACE and e['name'].endswith('-rank0')];"
-            "assert len(names) == 1, names;"
-            "actor = ray.get_actor(names[0], namespace=NAMESPACE);"
-            "print(ray.get(actor.timings.remote(), timeout=30)['steps'])"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
-        )
-        return int(out.stdout.strip().splitlines()[-1])
+        return self._ask("steps")
+
+    def metrics_port(self) -> int:
+        """Ray's metrics export port (the Prometheus endpoint)."""
+        return self._ask("metrics_port")
+
+    def _ask(self, command: str, timeout_s: float = 120.0):
+        """One answer from a process attached to the server's Ray cluster: started on
+        the first question and kept (attaching a driver takes seconds; the tests ask
+        dozens of times). It looks the actors up on every question, so it follows
+        restarted ones."""
+        if self._probe is None or self._probe.poll() is not None:
+            self._probe = subprocess.Popen(
+                [sys.executable, "-c", _PROBE, self.ray_address],
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=os.environ.copy(),
+            )
+        self._probe.stdin.write(command + "\n")
+        self._probe.stdin.flush()
+        ready, _, _ = select.select([self._probe.stdout], [], [], timeout_s)
+        assert ready, f"the Ray probe gave no answer to {command!r} within {timeout_s} s"
+        line = self._probe.stdout.readline()
+        assert line, f"the Ray probe exited (code {self._probe.poll()}) on {command!r}"
+        answer = json.loads(line)
+        assert "error" not in answer, answer["error"]
+        return answer["ok"]
+
+    def close_probe(self) -> None:
+        """End the probe (before the server stops: no outside driver then)."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.stdin.close()
+            try:
+                probe.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                probe.kill()
+                probe.wait()
+
+
+# The probe behind Server._ask: one command per line in, one JSON line out.
+_PROBE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+from workers.group import NAMESPACE, engine_cache_counts
+
+def rank0_steps():
+    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+             if e["namespace"] == NAMESPACE and e["name"].endswith("-rank0")]
+    assert len(names) == 1, names
+    actor = ray.get_actor(names[0], namespace=NAMESPACE)
+    return ray.get(actor.timings.remote(), timeout=30)["steps"]
+
+ASK = {
+    "counts": engine_cache_counts,
+    "steps": rank0_steps,
+    "metrics_port": lambda: max(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]),
+}
+for line in sys.stdin:
+    try:
+        answer = {"ok": ASK[line.strip()]()}
+    except Exception as err:
+        answer = {"error": repr(err)}
+    print(json.dumps(answer), flush=True)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +147,11 @@ def server(tmp_path_factory):
     with serving(config, tmp_path_factory.mktemp("serve")) as (proc, ready):
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)
         assert f"HTTP on 127.0.0.1:{http_port}" in ready
-        yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+        srv = Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+        try:
+            yield srv
+        finally:
+            srv.close_probe()
 
 
 # A make run inside `make test` must not join the outer make's jobserver.
@@ -376,14 +424,7 @@ def _http_burst(server, n: int):
 
 def _assert_caches_freed(server, within_s: float = 60.0) -> None:
     """Every engine's draft and verifier cache counts reach 0 within `within_s`."""
-    deadline = time.monotonic() + within_s
-    counts = server.cache_counts()
-    while time.monotonic() < deadline:
-        counts = server.cache_counts()
-        if all(v == 0 for engine in counts.values() for v in engine.values()):
-            break
-        time.sleep(1)
-    assert counts and all(v == 0 for engine in counts.values() for v in engine.values()), counts
+    assert _caches_free(server, within_s), server.cache_counts()
 
 
 # Cancelled requests decode plainly (one token a step), greedily, from a prompt whose
@@ -423,7 +464,7 @@ def _caches_free(server, within_s: float) -> bool:
             return True
         if time.monotonic() > deadline:
             return False
-        time.sleep(1)
+        time.sleep(0.2)
 
 
 def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
@@ -855,7 +896,19 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     assert streamed == list(want.token_ids)
     assert "".join(c.text for c in chunks) == want.text
     assert final.stats.resumed >= 1 and final.stats.draft_failures >= 1 and final.stats.degraded
-    assert max(took for _, took, _ in health) < 1.0, max(health, key=lambda h: h[1])
+    slowest = max(health, key=lambda h: h[1])
+    assert slowest[1] < 1.0, (  # when, relative to the first poll and the kills
+        slowest,
+        {"poll": health.index(slowest), "of": len(health)},
+        {
+            k: round(slowest[2] - t, 1)
+            for k, t in [
+                ("first_poll", health[0][2]),
+                ("draft_killed", draft_killed),
+                ("rank_killed", rank_killed),
+            ]
+        },
+    )
     during_draft = [s for s, _, at in health if draft_killed <= at < rank_killed]
     assert during_draft and set(during_draft) == {"SERVING"}, during_draft
     after_rank = [(s, at) for s, _, at in health if at >= rank_killed]
@@ -913,14 +966,7 @@ def _scrape(server) -> Samples:
     whose name starts with ray_cactus_, summed over label sets except `position`."""
     import urllib.request
 
-    code = (
-        f"import ray; ray.init(address={server.ray_address!r}, log_to_driver=False);"
-        "print(max(n['MetricsExportPort'] for n in ray.nodes() if n['Alive']))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    port = int(out.stdout.strip().splitlines()[-1])
+    port = server.metrics_port()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     samples = Samples()
     samples.labels = {}
@@ -1048,6 +1094,7 @@ def test_stopping_the_server_drains_its_running_streams(server):
     with every token, a request that arrives meanwhile gets a clear status at once, and
     the process exits 0 (README: scale-down and shutdown drain). ray.init replaces a
     driver's SIGTERM handler with sys.exit(15), which cut the stream before."""
+    server.close_probe()  # no outside Ray driver attached while the server stops
     client = server.client()
     kw = {"max_tokens": 300, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
     chunks: list = []

@@ -75,7 +75,11 @@ def timeout_server(tmp_path_factory):
             ray_address = re.search(r"ray (\S+)\)", ready).group(1)
             assert ray_address != dead
             assert any(dead in line and "does not answer" in line for line in proc.output)
-            yield Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+            srv = Server(proc, f"127.0.0.1:{port}", ray_address, http_port)
+            try:
+                yield srv
+            finally:
+                srv.close_probe()
 
 
 def test_a_grpc_call_past_the_server_limit_is_deadline_exceeded_and_stops(

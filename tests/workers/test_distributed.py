@@ -298,9 +298,10 @@ def test_dead_draft_actor_degrades_every_running_request(
         group.shutdown()
 
 
-def test_shutdown_leaves_no_actors_or_shm(ray_session):
-    verifier, draft = embedded_dirs()
-    group = EngineGroup(GroupConfig(verifier, draft, tp_size=2, speculation_policy="fixed")).start()
+def test_shutdown_leaves_no_actors_or_shm(groups):
+    """The module's TP = 2 group, after the traffic of the tests above (the last test
+    here that uses it: it is taken out of the fixture, so a later user fails plainly)."""
+    group = groups.pop(2)
     handles = [(group.draft, "status"), *[(r, "ping") for r in group.ranks]]
     assert group.healthy()
     group.shutdown()
