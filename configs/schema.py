@@ -191,6 +191,11 @@ class RecoveryConfig(_Model):
         "shutdown, those still running then end with UNAVAILABLE)",
         30.0,
     )
+    health_check_period_s: Float = doc(
+        "how often Serve checks that a replica's engine is not given up on; Serve "
+        "replaces a replica after 3 failed checks in a row",
+        10.0,
+    )
 
 
 class AutoscalingConfig(_Model):
@@ -368,7 +373,12 @@ def validate(c: ServeConfig) -> None:
     r = c.recovery
     _check(r.max_attempts >= 0, "recovery.max_attempts", "must be >= 0")
     _check(r.restart_attempts >= 1, "recovery.restart_attempts", "must be >= 1")
-    for name in ("check_period_s", "probe_timeout_s", "recovery_timeout_s"):
+    for name in (
+        "check_period_s",
+        "probe_timeout_s",
+        "recovery_timeout_s",
+        "health_check_period_s",
+    ):
         _check(getattr(r, name) > 0, f"recovery.{name}", "must be > 0")
     _check(r.drain_timeout_s >= 0, "recovery.drain_timeout_s", "must be >= 0")
     a = c.autoscaling

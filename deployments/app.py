@@ -38,7 +38,7 @@ def deployment_options(config: ServeConfig, *, own_engine: bool = True) -> dict:
         "max_ongoing_requests": lim.max_ongoing_requests,
         "max_queued_requests": lim.max_queued_requests,
         "ray_actor_options": {"num_cpus": config.resources.replica.num_cpus},
-        "health_check_period_s": 10,
+        "health_check_period_s": config.recovery.health_check_period_s,
         "health_check_timeout_s": 30,
         # Scale-down and shutdown: no new requests, running streams get drain_timeout_s;
         # on shutdown the replica then ends what still runs with UNAVAILABLE, and

@@ -151,6 +151,21 @@ def group_config(config: ServeConfig):
     )
 
 
+def recovery_config(config: ServeConfig):
+    """The supervisor's RecoveryConfig from the typed config: every `recovery` key but
+    the drain and the health-check period, which are Serve's (deployments/app.py)."""
+    from workers.supervisor import RecoveryConfig
+
+    r = config.recovery
+    return RecoveryConfig(
+        max_attempts=r.max_attempts,
+        restart_attempts=r.restart_attempts,
+        check_period_s=r.check_period_s,
+        probe_timeout_s=r.probe_timeout_s,
+        recovery_timeout_s=r.recovery_timeout_s,
+    )
+
+
 def stats_pb(stats) -> pb.SpeculationStats:
     return pb.SpeculationStats(
         num_drafts=stats.num_drafts,
@@ -230,7 +245,6 @@ class CactusIngress:
 
         from workers.group import EngineGroup
         from workers.supervisor import EngineSupervisor
-        from workers.supervisor import RecoveryConfig as Recovery
 
         pg = ray.util.get_current_placement_group()
         # Rank 0 validates against the same operator limits as this shim.
@@ -238,11 +252,7 @@ class CactusIngress:
         group = EngineGroup(
             group_config(self.config), limits=operator, placement_group=pg, first_bundle=1
         ).start()
-        r = self.config.recovery
-        return EngineSupervisor(
-            group,
-            Recovery(**r.model_dump(exclude={"drain_timeout_s"})),  # drain is Serve's
-        )
+        return EngineSupervisor(group, recovery_config(self.config))
 
     # ---- the shim's duties ----------------------------------------------------------
 

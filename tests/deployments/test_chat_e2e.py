@@ -52,8 +52,14 @@ def chat_server(tmp_path_factory):
         "http_port": http_port,
         "http_host": "0.0.0.0",  # no token and HTTP on every interface: both warned of
         # one failed gang restart and the replica gives up (the replacement test); the
-        # kill test's restart succeeds at its first attempt; a short drain (the last test)
-        "recovery": {"restart_attempts": 1, "drain_timeout_s": DRAIN_S},
+        # kill test's restart succeeds at its first attempt; a short drain (the last
+        # test); Serve checks every 2 s (10 s by default), so the replica that cannot
+        # rebuild its engine is replaced after 3 failed checks, 6 s
+        "recovery": {
+            "restart_attempts": 1,
+            "drain_timeout_s": DRAIN_S,
+            "health_check_period_s": 2.0,
+        },
     }
     with serving(config, root, via_make=True) as (proc, ready):  # the README's command
         ray_address = re.search(r"ray (\S+)\)", ready).group(1)

@@ -238,17 +238,22 @@ def test_the_replica_reserves_each_engine_actor_once():
 
 def test_config_keys_reach_serve_and_the_engine_group():
     """Keys whose effect no served test shows on one machine reach their consumer:
-    placement strategy, drain, queue bounds and autoscaling become the deployment's
+    placement strategy, drain, health checks, queue bounds and autoscaling become the deployment's
     Serve options, threads / shm all-reduce / start timeout / batching the engine's."""
     from deployments.app import deployment_options
     from deployments.drain import CUT_MARGIN_S
-    from deployments.ingress import group_config
+    from deployments.ingress import group_config, recovery_config
 
     config = from_dict(
         {
             "shm_allreduce": True,
             "resources": {"placement_strategy": "STRICT_SPREAD", "threads_per_actor": 3},
-            "recovery": {"drain_timeout_s": 7.5},
+            "recovery": {
+                "drain_timeout_s": 7.5,
+                "health_check_period_s": 2.5,
+                "probe_timeout_s": 4.0,
+                "restart_attempts": 2,
+            },
             "limits": {"start_timeout_s": 42.0, "max_queued_requests": 5},
             "autoscaling": {"min_replicas": 1, "max_replicas": 3, "downscale_delay_s": 9.0},
             "batching": {"max_num_seqs": 6, "batch_wait_ms": 1.5},
@@ -258,6 +263,7 @@ def test_config_keys_reach_serve_and_the_engine_group():
     assert options["placement_group_strategy"] == "STRICT_SPREAD"
     assert options["placement_group_bundles"][0] == {"CPU": config.resources.replica.num_cpus}
     assert options["graceful_shutdown_timeout_s"] == 7.5 + CUT_MARGIN_S  # deployments/drain
+    assert options["health_check_period_s"] == 2.5
     assert options["max_queued_requests"] == 5
     assert options["autoscaling_config"]["max_replicas"] == 3
     assert options["autoscaling_config"]["downscale_delay_s"] == 9.0
@@ -268,6 +274,9 @@ def test_config_keys_reach_serve_and_the_engine_group():
     assert deployment_options(fixed)["num_replicas"] == 2
     group = group_config(config)
     assert (group.threads, group.shm_allreduce, group.start_timeout_s) == (3, True, 42.0)
+    recovery = recovery_config(config)  # the supervisor's share of `recovery`
+    assert (recovery.probe_timeout_s, recovery.restart_attempts) == (4.0, 2)
+    assert recovery_config(from_dict({})) == type(recovery)()  # the same defaults
     assert (group.max_num_seqs, group.batch_wait_ms) == (6, 1.5)
 
 
