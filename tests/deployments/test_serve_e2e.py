@@ -433,6 +433,10 @@ def _assert_caches_freed(server, within_s: float = 60.0) -> None:
 # the request frees its rows only after that many steps).
 CANCEL_TOKENS = 900
 CANCEL_KW = {"max_tokens": CANCEL_TOKENS, "temperature": 0.0, "rule": "none"}
+# The time limit of a cancellation try (_stops_in_three_tries): it ends a request whose
+# cancel Serve's proxy lost. Longer than the 20 s a try waits for the freed caches, so
+# a request the limit ended never passes for a cancelled one.
+TRY_KW = {**CANCEL_KW, "time_limit_s": 35.0}
 
 
 @pytest.fixture(scope="module")
@@ -479,7 +483,7 @@ def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
     def leave_early() -> bool:
         # leaving the loop is the cancel: the blocking client cancels a call whose
         # iterator is closed (README: the client's stream), as the asyncio one does
-        for i, _chunk in enumerate(client.stream(long_prompt, time_limit_s=60.0, **CANCEL_KW)):
+        for i, _chunk in enumerate(client.stream(long_prompt, **TRY_KW)):
             if i == 2:
                 break
         return _caches_free(server, within_s=20.0)
@@ -657,7 +661,7 @@ def test_an_exception_in_a_stream_loop_cancels_it_on_the_server(server, long_pro
 
     def leave_early() -> bool:
         with pytest.raises(Leave):
-            for i, _chunk in enumerate(client.stream(long_prompt, time_limit_s=60.0, **CANCEL_KW)):
+            for i, _chunk in enumerate(client.stream(long_prompt, **TRY_KW)):
                 if i == 2:
                     raise Leave
         return _caches_free(server, within_s=20.0)
@@ -682,7 +686,7 @@ def test_leaving_an_asyncio_stream_early_cancels_it_on_the_server(server, long_p
         client = AsyncCactusClient(server.address, token=TOKEN, timeout=120)
         try:
             seen = 0
-            async for _chunk in client.stream(long_prompt, time_limit_s=60.0, **CANCEL_KW):
+            async for _chunk in client.stream(long_prompt, **TRY_KW):
                 seen += 1
                 if seen == 3:
                     break
