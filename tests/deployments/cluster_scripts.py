@@ -217,9 +217,10 @@ def exact(verifier: str, draft: str) -> dict:
         }
         # Scale-down drains: streams running on the replica that goes away finish.
         results: list = []
+        chunks_of: list[list] = [[] for _ in range(4)]
 
         def stream(i: int) -> None:
-            chunks = []
+            chunks = chunks_of[i]
             try:
                 for chunk in CactusClient(f"127.0.0.1:{port}", timeout=300).stream(
                     "def walk(tree):", max_tokens=160, seed=i, temperature=1.0
@@ -236,10 +237,17 @@ def exact(verifier: str, draft: str) -> dict:
         for t in threads:
             t.start()
         time.sleep(2.0)
+        # (chunks received, finished) of each stream as the scale-down starts: a drain
+        # is only shown if streams were still running then
+        at_scale_down = [(len(c), any(chunk.finish_reason for chunk in c)) for c in chunks_of]
         serve.run(build_app(config), name=config.app_name, route_prefix="/")  # 1 replica
         for t in threads:
             t.join(timeout=300)
-        out["drain"] = {"streams": results, "replicas": _replicas(config.app_name)}
+        out["drain"] = {
+            "streams": results,
+            "replicas": _replicas(config.app_name),
+            "at_scale_down": at_scale_down,
+        }
         return out
     finally:
         serve.shutdown()
