@@ -48,19 +48,20 @@ def _ephemeral_start() -> int:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a server (or a rendezvous) that binds it
-    later: chosen at random outside the ephemeral range (above), falling back to one the
-    kernel picks where that range leaves no room."""
+    """A TCP port free now, for a server (or a rendezvous) that binds it later: chosen
+    at random below the ephemeral range (above), or picked by the kernel where that
+    range leaves no room below it."""
     stop = _ephemeral_start()
-    rng = random.Random()  # seeded from the OS: not the program's seeded global one
-    for _ in range(64) if stop - PICKED_PORTS_FROM >= 1000 else ():
-        port = rng.randrange(PICKED_PORTS_FROM, stop)
-        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-            try:  # every address: the server may listen on 0.0.0.0
-                sock.bind(("", port))
-            except OSError:
-                continue
-            return port
+    if stop - PICKED_PORTS_FROM >= 1000:
+        rng = random.Random()  # seeded from the OS: not the program's seeded global one
+        for _ in range(64):
+            port = rng.randrange(PICKED_PORTS_FROM, stop)
+            with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+                try:  # every address: the server may listen on 0.0.0.0
+                    sock.bind(("", port))
+                except OSError:
+                    continue
+                return port
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -21,7 +21,7 @@ from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.conftest import embedded_dirs
-from tests.deployments.test_serve_e2e import killer, serving
+from tests.deployments.test_serve_e2e import RayProbe, killer, serving
 from workers.tp_verifier import free_port
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,8 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     is the verifier's uninterrupted greedy text, and the chunk with the finish_reason
     says it was degraded and resumed. A seeded sampled stream beside it (with logprobs,
     which name every token) resumes too, with no gap and no repeat: the tokens it
-    streamed are exactly its usage's completion tokens, max_tokens of them. A unary
+    streamed are exactly its usage's completion tokens (max_tokens of them unless it
+    reached EOS). A unary
     request sent right after the rank kill waits for the restart and is served."""
     import httpx2
 
@@ -215,9 +216,12 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     choices = [e["choices"][0] for e in sampled if e.get("choices")]
     streamed = sum(len(c["logprobs"]["tokens"]) for c in choices)
     usage = [e["usage"] for e in sampled if e.get("usage")]
-    assert usage and usage[-1]["completion_tokens"] == streamed == max_tokens, (usage, streamed)
+    assert usage and usage[-1]["completion_tokens"] == streamed, (usage, streamed)
     closing = [e for e in sampled if e.get("choices") and e["choices"][0].get("finish_reason")]
-    assert len(closing) == 1 and closing[0]["choices"][0]["finish_reason"] == "length", closing
+    # what follows the resume is sampled afresh and may reach EOS: "stop" before max_tokens
+    assert len(closing) == 1, closing
+    reason = closing[0]["choices"][0]["finish_reason"]
+    assert (reason, streamed) == ("length", max_tokens) or reason == "stop", (reason, streamed)
     assert closing[0]["cactus"]["resumed"] >= 1 and closing[0]["cactus"]["seed"] == 11
     # and the server serves the next request normally
     reply = _complete(base_url, "def f():")
@@ -265,24 +269,6 @@ def test_a_server_without_a_token_warns_that_auth_is_off(chat_server):
     assert bound == {"0.0.0.0"}, bound
 
 
-def _rank0_names(ray_address: str) -> list[str]:
-    """Names of the server's rank 0 actors: engine-<replica's group>.r<generation>-rank0."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False);"
-        "print('NAMES', *[e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
-        " if e['namespace'] == 'cactus' and e['name'].endswith('-rank0')])"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, ray_address], capture_output=True, text=True, timeout=120
-    )
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("NAMES")]
-    assert line, out.stdout + out.stderr
-    return line[0].split()[1:]
-
-
 def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_server):
     """README: after `recovery.restart_attempts` failed restarts the replica reports
     itself unhealthy and Serve replaces it. Runs last on this server: its verifier
@@ -293,13 +279,14 @@ def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_serv
     import httpx2
 
     base_url, verifier_dir, ray_address, *_ = chat_server
-    (before,) = _rank0_names(ray_address)
+    probe = RayProbe(ray_address)
+    # rank 0's name: engine-<the replica's group>.r<generation>-rank0
+    (before,) = probe.ask("names", "rank0")
     group = before.split(".r")[0]
     away = verifier_dir.with_name("verifier-away")
     verifier_dir.rename(away)
     try:
-        with killer(ray_address) as kill:
-            kill("rank0")
+        probe.ask("kill", "rank0")
         deadline = time.monotonic() + 120
         refused = None
         while time.monotonic() < deadline:
@@ -329,7 +316,10 @@ def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_serv
         time.sleep(2.0)
     assert served is not None, f"Serve did not bring a working replica back: {seen}"
     assert served.json()["choices"][0]["finish_reason"] == "length", served.text
-    (after,) = _rank0_names(ray_address)
+    try:
+        (after,) = probe.ask("names", "rank0")
+    finally:
+        probe.close()
     assert after.split(".r")[0] != group, (before, after)
 
 

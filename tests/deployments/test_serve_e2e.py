@@ -34,12 +34,87 @@ REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-0123"
 
 
+class RayProbe:
+    """A process attached to a server's Ray cluster that answers questions about its
+    engine actors, and kills one by role: attached once, at the first question
+    (attaching a driver takes seconds; the tests ask dozens of times). Actors are
+    looked up by name at every question, so restarted ones are found."""
+
+    def __init__(self, ray_address: str) -> None:
+        self.ray_address = ray_address
+        self._proc: subprocess.Popen | None = None
+
+    def ask(self, *command: str, timeout_s: float = 120.0):
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _PROBE, self.ray_address],
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=os.environ.copy(),
+            )
+        self._proc.stdin.write(" ".join(command) + "\n")
+        self._proc.stdin.flush()
+        # one flushed line per question: nothing waits in the pipe's buffer unseen
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        assert ready, f"the Ray probe gave no answer to {command} within {timeout_s} s"
+        line = self._proc.stdout.readline()
+        assert line, f"the Ray probe exited (code {self._proc.poll()}) on {command}"
+        answer = json.loads(line)
+        assert "error" not in answer, answer["error"]
+        return answer["ok"]
+
+    def close(self) -> None:
+        """End the process (before the server stops: no outside driver then)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# The process behind RayProbe: one question per line in, one JSON line out.
+_PROBE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+from workers.group import NAMESPACE, engine_cache_counts
+
+def named(role):
+    return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == NAMESPACE and e["name"].endswith("-" + role)]
+
+def actor(role):
+    (name,) = named(role)
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+ASK = {
+    "ping": lambda: "pong",
+    "counts": engine_cache_counts,
+    "steps": lambda: ray.get(actor("rank0").timings.remote(), timeout=30)["steps"],
+    "names": named,
+    "kill": lambda role: ray.kill(actor(role)),
+    "metrics_port": lambda: max(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]),
+}
+for line in sys.stdin:
+    what, *args = line.split()
+    try:
+        answer = {"ok": ASK[what](*args)}
+    except Exception as err:
+        answer = {"error": repr(err)}
+    print(json.dumps(answer), flush=True)
+"""
+
+
 class Server:
     def __init__(self, proc, address, ray_address, http_port=None):
         self.proc, self.address, self.ray_address = proc, address, ray_address
         self.http_port = http_port
         self.base_url = f"http://127.0.0.1:{http_port}/v1"
-        self._probe: subprocess.Popen | None = None  # see _ask
+        self.probe = RayProbe(ray_address)
 
     def openai(self, token=TOKEN):
         import openai
@@ -51,77 +126,11 @@ class Server:
 
     def cache_counts(self) -> dict:
         """Every engine's draft and verifier cache counts (workers.group)."""
-        return self._ask("counts")
+        return self.probe.ask("counts")
 
     def decode_steps(self) -> int:
         """Decode steps rank 0's engine has run since it started."""
-        return self._ask("steps")
-
-    def metrics_port(self) -> int:
-        """Ray's metrics export port (the Prometheus endpoint)."""
-        return self._ask("metrics_port")
-
-    def _ask(self, command: str, timeout_s: float = 120.0):
-        """One answer from a process attached to the server's Ray cluster: started on
-        the first question and kept (attaching a driver takes seconds; the tests ask
-        dozens of times). It looks the actors up on every question, so it follows
-        restarted ones."""
-        if self._probe is None or self._probe.poll() is not None:
-            self._probe = subprocess.Popen(
-                [sys.executable, "-c", _PROBE, self.ray_address],
-                cwd=REPO,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=os.environ.copy(),
-            )
-        self._probe.stdin.write(command + "\n")
-        self._probe.stdin.flush()
-        ready, _, _ = select.select([self._probe.stdout], [], [], timeout_s)
-        assert ready, f"the Ray probe gave no answer to {command!r} within {timeout_s} s"
-        line = self._probe.stdout.readline()
-        assert line, f"the Ray probe exited (code {self._probe.poll()}) on {command!r}"
-        answer = json.loads(line)
-        assert "error" not in answer, answer["error"]
-        return answer["ok"]
-
-    def close_probe(self) -> None:
-        """End the probe (before the server stops: no outside driver then)."""
-        probe, self._probe = self._probe, None
-        if probe is not None:
-            probe.stdin.close()
-            try:
-                probe.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                probe.kill()
-                probe.wait()
-
-
-# The probe behind Server._ask: one command per line in, one JSON line out.
-_PROBE = """
-import json, sys, ray
-ray.init(address=sys.argv[1], log_to_driver=False)
-from workers.group import NAMESPACE, engine_cache_counts
-
-def rank0_steps():
-    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-             if e["namespace"] == NAMESPACE and e["name"].endswith("-rank0")]
-    assert len(names) == 1, names
-    actor = ray.get_actor(names[0], namespace=NAMESPACE)
-    return ray.get(actor.timings.remote(), timeout=30)["steps"]
-
-ASK = {
-    "counts": engine_cache_counts,
-    "steps": rank0_steps,
-    "metrics_port": lambda: max(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]),
-}
-for line in sys.stdin:
-    try:
-        answer = {"ok": ASK[line.strip()]()}
-    except Exception as err:
-        answer = {"error": repr(err)}
-    print(json.dumps(answer), flush=True)
-"""
+        return self.probe.ask("steps")
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +160,7 @@ def server(tmp_path_factory):
         try:
             yield srv
         finally:
-            srv.close_probe()
+            srv.probe.close()
 
 
 # A make run inside `make test` must not join the outer make's jobserver.
@@ -785,58 +794,23 @@ def test_an_http_unary_client_that_gives_up_frees_its_request(server, long_promp
 
 
 def _kill(server, role: str) -> float:
-    """SIGKILL-equivalent (ray.kill) of one engine actor of the server, by role
-    ("draft", "rank0", "rank1"); returns the monotonic time the kill was started (the
-    helper process needs a few seconds to connect, so the kill falls after that)."""
+    """ray.kill (SIGKILL-like) of one engine actor of the server, by role ("draft",
+    "rank0", "rank1"); returns the monotonic time the kill was asked for."""
     started = time.monotonic()
-    code = (
-        f"import ray; ray.init(address={server.ray_address!r}, log_to_driver=False);"
-        "names = [e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
-        f" if e['namespace'] == 'cactus' and e['name'].endswith('-{role}')];"
-        "assert len(names) == 1, names;"
-        "ray.kill(ray.get_actor(names[0], namespace='cactus')); print('KILLED')"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert "KILLED" in out.stdout, out.stdout + out.stderr
+    server.probe.ask("kill", role)
     return started
 
 
 @contextlib.contextmanager
 def killer(ray_address: str):
-    """A process already connected to the server's Ray cluster that kills an engine
-    actor by role as soon as asked (`kill("draft")`), without _kill's seconds of
-    connecting per kill."""
-    code = (
-        "import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False);"
-        "print('READY', flush=True)\n"
-        "for line in sys.stdin:\n"
-        "    role = line.strip()\n"
-        "    names = [e['name'] for e in ray.util.list_named_actors(all_namespaces=True)"
-        " if e['namespace'] == 'cactus' and e['name'].endswith('-' + role)]\n"
-        "    assert len(names) == 1, names\n"
-        "    ray.kill(ray.get_actor(names[0], namespace='cactus')); print('KILLED', flush=True)\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, ray_address],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-    def kill(role: str) -> None:
-        proc.stdin.write(role + "\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "KILLED", role
-
+    """`kill(role)` for a server the test has no Server for: a RayProbe attached before
+    the test needs it, so a kill happens as soon as asked."""
+    probe = RayProbe(ray_address)
     try:
-        assert proc.stdout.readline().strip() == "READY"
-        yield kill
+        probe.ask("ping")
+        yield lambda role: probe.ask("kill", role)
     finally:
-        proc.stdin.close()
-        proc.wait(timeout=60)
+        probe.close()
 
 
 def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
@@ -970,7 +944,7 @@ def _scrape(server) -> Samples:
     whose name starts with ray_cactus_, summed over label sets except `position`."""
     import urllib.request
 
-    port = server.metrics_port()
+    port = server.probe.ask("metrics_port")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     samples = Samples()
     samples.labels = {}
@@ -1098,7 +1072,7 @@ def test_stopping_the_server_drains_its_running_streams(server):
     with every token, a request that arrives meanwhile gets a clear status at once, and
     the process exits 0 (README: scale-down and shutdown drain). ray.init replaces a
     driver's SIGTERM handler with sys.exit(15), which cut the stream before."""
-    server.close_probe()  # no outside Ray driver attached while the server stops
+    server.probe.close()  # no outside Ray driver attached while the server stops
     client = server.client()
     kw = {"max_tokens": 300, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
     chunks: list = []

@@ -79,7 +79,7 @@ def timeout_server(tmp_path_factory):
             try:
                 yield srv
             finally:
-                srv.close_probe()
+                srv.probe.close()
 
 
 def test_a_grpc_call_past_the_server_limit_is_deadline_exceeded_and_stops(

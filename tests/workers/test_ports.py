@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import socket
 from contextlib import closing
+from types import SimpleNamespace
 
 from workers import tp_verifier
 from workers.tp_verifier import PICKED_PORTS_FROM, _ephemeral_start, free_port
@@ -27,10 +28,14 @@ def test_picked_ports_are_free_and_below_the_ephemeral_range():
 def test_the_programs_own_seed_does_not_choose_the_port():
     """Two processes that seed `random` alike (tests and benchmarks do) must not pick
     the same port."""
-    picks = []
-    for _ in range(3):
-        random.seed(1234)
-        picks.append(free_port())
+    state = random.getstate()
+    try:
+        picks = []
+        for _ in range(3):
+            random.seed(1234)
+            picks.append(free_port())
+    finally:
+        random.setstate(state)
     assert len(set(picks)) > 1, picks
 
 
@@ -49,5 +54,5 @@ def test_a_port_in_use_is_skipped(monkeypatch):
             def randrange(self, start, stop):
                 return next(self.draws)
 
-        monkeypatch.setattr(tp_verifier.random, "Random", Scripted)
+        monkeypatch.setattr(tp_verifier, "random", SimpleNamespace(Random=Scripted))
         assert free_port() == other
