@@ -216,6 +216,8 @@ def exact(verifier: str, draft: str) -> dict:
             "free_gpu": _free("GPU"),
         }
         # Scale-down drains: streams running on the replica that goes away finish.
+        # Greedy, so each runs its whole 160 tokens (this prompt's greedy continuation
+        # has no EOS before that) and none can end early, before the scale-down starts.
         results: list = []
         chunks_of: list[list] = [[] for _ in range(4)]
 
@@ -223,7 +225,7 @@ def exact(verifier: str, draft: str) -> dict:
             chunks = chunks_of[i]
             try:
                 for chunk in CactusClient(f"127.0.0.1:{port}", timeout=300).stream(
-                    "def walk(tree):", max_tokens=160, seed=i, temperature=1.0
+                    "def walk(tree):", max_tokens=160, temperature=0.0
                 ):
                     chunks.append(chunk)
                 streamed = sum(len(c.token_ids) for c in chunks)
@@ -236,7 +238,11 @@ def exact(verifier: str, draft: str) -> dict:
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(2.0)
+        # scale down once every stream has tokens (so all four are running on one
+        # replica or the other), not after a fixed time that a fast run outlasts
+        deadline = time.monotonic() + 120
+        while not all(chunks_of) and time.monotonic() < deadline:
+            time.sleep(0.05)
         # (chunks received, finished) of each stream as the scale-down starts: a drain
         # is only shown if streams were still running then
         at_scale_down = [(len(c), any(chunk.finish_reason for chunk in c)) for c in chunks_of]
