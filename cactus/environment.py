@@ -28,3 +28,20 @@ def apply() -> None:
     """Set every variable the caller has not set itself (an operator's value wins)."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+
+
+GRPC_MESSAGE_SIZE = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
+def grpc_message_size(limit: int) -> None:
+    """Give Serve's gRPC proxies `limits.max_message_bytes` (they read it from this
+    variable, inherited by a Ray head this process starts). A different value already
+    exported is a ValueError naming both: on a cluster started with `ray start` the
+    nodes' proxies read their own environment, so one of the two would be ignored."""
+    current = os.environ.get(GRPC_MESSAGE_SIZE)
+    if current is not None and current.strip() != str(limit):
+        raise ValueError(
+            f"limits.max_message_bytes is {limit} but {GRPC_MESSAGE_SIZE} is exported as "
+            f"{current!r}: set them alike (Serve's gRPC proxies read the variable)"
+        )
+    os.environ[GRPC_MESSAGE_SIZE] = str(limit)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from ray import serve
 
+from cactus import environment
 from configs.schema import ServeConfig, to_dict
 from deployments.drain import CUT_MARGIN_S
 from deployments.ingress import CactusIngress, group_config
@@ -28,6 +27,17 @@ def replica_bundles(config: ServeConfig) -> list[dict]:
     return [replica, *engine_bundles(group_config(config))]
 
 
+def replica_actor_options(config: ServeConfig) -> dict:
+    """What the replica actor itself reserves: `resources.replica`, all of bundle 0."""
+    r = config.resources.replica
+    options: dict = {"num_cpus": r.num_cpus}
+    if r.num_gpus:
+        options["num_gpus"] = r.num_gpus
+    if r.resources:
+        options["resources"] = dict(r.resources)
+    return options
+
+
 def deployment_options(config: ServeConfig, *, own_engine: bool = True) -> dict:
     """Serve's options for the ingress deployment, from the typed config: queue bounds,
     the drain on scale-down and shutdown, the replica's placement group (when it starts
@@ -37,7 +47,7 @@ def deployment_options(config: ServeConfig, *, own_engine: bool = True) -> dict:
         "name": "CactusIngress",
         "max_ongoing_requests": lim.max_ongoing_requests,
         "max_queued_requests": lim.max_queued_requests,
-        "ray_actor_options": {"num_cpus": config.resources.replica.num_cpus},
+        "ray_actor_options": replica_actor_options(config),
         "health_check_period_s": config.recovery.health_check_period_s,
         "health_check_timeout_s": 30,
         # Scale-down and shutdown: no new requests, running streams get drain_timeout_s;
@@ -87,7 +97,7 @@ def start_serve(
     node's proxy would otherwise bind the same gRPC port."""
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.limits.max_message_bytes))
+    environment.grpc_message_size(config.limits.max_message_bytes)
     serve.start(
         proxy_location=proxy_location,
         http_options=HTTPOptions(host=config.http_host, port=http_port or config.http_port),

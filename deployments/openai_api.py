@@ -221,6 +221,15 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _by_text(top, decode) -> dict[str, float]:
+    """Completions' top_logprobs, {token text: logprob}: where two tokens decode alike,
+    the likelier one (listed first) keeps the key."""
+    out: dict[str, float] = {}
+    for token_id, value in top:
+        out.setdefault(decode(token_id), value)
+    return out
+
+
 def to_request(
     body: dict, config, *, max_tokens_field: str = "max_tokens", chat: bool = False
 ) -> GenerationRequest:
@@ -241,7 +250,9 @@ def to_request(
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         logprobs=_logprobs(body, chat),
     )
-    rule = body.get("rule", sp.default_rule)
+    rule = body.get("rule")
+    if rule is None:  # absent or null: unset, like every other field
+        rule = sp.default_rule
     if not isinstance(rule, str):
         raise InvalidRequestError("rule", "must be a string")
     divergence = body.get("max_divergence_nats")
@@ -384,7 +395,7 @@ class Shape:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{decode(t): v for t, v in e.top} for e in entries],
+            "top_logprobs": [_by_text(e.top, decode) for e in entries],
             "text_offset": offsets,
         }
 

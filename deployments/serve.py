@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from configs.schema import ConfigError, load_config
+    from configs.schema import load_config
 
     try:
         overrides = {}
@@ -92,12 +92,12 @@ def main(argv=None) -> int:
         if args.http_port:
             overrides["http_port"] = args.http_port
         config = load_config(args.config, overrides or None)
-    except (ConfigError, OSError) as err:
+        environment.grpc_message_size(config.limits.max_message_bytes)
+    except (ValueError, OSError) as err:  # ConfigError is a ValueError
         print(f"config error: {err}", file=sys.stderr)
         return 2
     config = with_resolved_token(config)
     environment.apply()
-    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.limits.max_message_bytes))
     import ray
     from ray import serve
 

@@ -208,3 +208,41 @@ def test_serve_with_num_cpus_says_it_cannot_join_a_cluster_with_them(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "config error: --num-cpus" in out.stderr and "RAY_ADDRESS=local" in out.stderr
     assert "127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_refuses_a_grpc_message_size_exported_unlike_the_config():
+    """Serve's gRPC proxies read RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: exported with a value
+    other than `limits.max_message_bytes`, one of the two would be ignored, so the
+    launcher says so (exit 2, both named) before anything starts."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.serve"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "1000"},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("config error: limits.max_message_bytes is 4194304"), out.stderr
+    assert "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE is exported as '1000'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_the_grpc_message_size_variable_follows_the_config(monkeypatch):
+    import os
+
+    from cactus.environment import GRPC_MESSAGE_SIZE, grpc_message_size
+
+    # setenv first: monkeypatch then restores the variable (absent, here) afterwards
+    monkeypatch.setenv(GRPC_MESSAGE_SIZE, "0")
+    monkeypatch.delenv(GRPC_MESSAGE_SIZE)
+    grpc_message_size(2048)
+    assert os.environ[GRPC_MESSAGE_SIZE] == "2048"
+    grpc_message_size(2048)  # exported alike: fine
+    with pytest.raises(ValueError, match=r"limits\.max_message_bytes is 4096 .* '2048'"):
+        grpc_message_size(4096)
+    assert os.environ[GRPC_MESSAGE_SIZE] == "2048"

@@ -176,6 +176,9 @@ def exact(verifier: str, draft: str) -> dict:
         "tp_size": 2,
         "grpc_port": port,
         "http_port": free_port(),
+        # two streams a replica: the four drain streams below fill both replicas, so
+        # the one that goes away has two running
+        "limits": {"max_ongoing_requests": 2},
         "resources": {
             "replica": {"num_cpus": 0.25},
             "draft": {"num_cpus": 0.25},

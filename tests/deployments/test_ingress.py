@@ -236,6 +236,21 @@ def test_the_replica_reserves_each_engine_actor_once():
     assert bundles[1:] == engine_bundles(group_config(config))
 
 
+def test_the_replica_actor_holds_all_of_its_bundle():
+    """`resources.replica` is what the replica actor itself reserves (GPUs and custom
+    resources too), and exactly its bundle 0."""
+    from deployments.app import deployment_options, replica_bundles
+
+    replica = {"num_cpus": 0.5, "num_gpus": 0.25, "resources": {"ingress_node": 1}}
+    config = from_dict({"resources": {"replica": replica}})
+    options = deployment_options(config)
+    assert options["ray_actor_options"] == replica
+    assert options["placement_group_bundles"][0] == {"CPU": 0.5, "ingress_node": 1, "GPU": 0.25}
+    assert options["placement_group_bundles"] == replica_bundles(config)
+    plain = deployment_options(from_dict({}))["ray_actor_options"]
+    assert plain == {"num_cpus": 0.25}
+
+
 def test_config_keys_reach_serve_and_the_engine_group():
     """Keys whose effect no served test shows on one machine reach their consumer:
     placement strategy, drain, health checks, queue bounds and autoscaling become the deployment's

@@ -199,12 +199,20 @@ def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param)
 def test_null_fields_are_unset_whatever_their_name(ray_session):
     """Some OpenAI clients send every field they know, the unset ones as null: those
     pass (a field with a value that this server does not know still gets a 400)."""
-    shim, app = _app()
+    shim, app = _app(speculation={"default_rule": "sps", "default_delta": 0.5})
     body = {"prompt": "x", "max_tokens": 3, "tools": None, "response_format": None}
     body |= {"logit_bias": None, "presence_penalty": None, "n": None, "suffix": None}
+    # this server's own fields too: null takes the config's default
+    ours = ("rule", "delta", "num_speculative_tokens", "max_divergence_nats", "top_k")
+    ours += ("temperature", "top_p", "seed", "stop", "stop_token_ids", "time_limit_s")
+    body |= dict.fromkeys(ours)
     reply = _raw(app, "POST", "/v1/completions", json=body)
     assert reply.status_code == 200, reply.text
-    assert shim.engine.seen[-1].sampling.max_tokens == 3
+    seen = shim.engine.seen[-1]
+    assert seen.sampling.max_tokens == 3
+    assert seen.speculation.rule == "sps" and seen.speculation.delta == 0.5
+    assert seen.sampling.temperature == shim.config.sampling.default_temperature
+    assert seen.speculation.max_divergence_nats is None and seen.sampling.seed is None
 
 
 def test_auth_and_engine_failures_map_to_statuses(ray_session):

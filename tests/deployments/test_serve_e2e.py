@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
-from client import NO_RETRY, CactusClient
+from client import NO_RETRY, CactusClient, RetryPolicy
 from tests.conftest import embedded_dirs
 from workers.tp_verifier import free_port
 
@@ -91,12 +91,24 @@ def actor(role):
     (name,) = named(role)
     return ray.get_actor(name, namespace=NAMESPACE)
 
+def proposed():
+    # {draft actor name: blocks it proposed}, the live ones (a dead one may linger)
+    out = {}
+    for name in named("draft"):
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            out[name] = ray.get(handle.status.remote(), timeout=30)["blocks_proposed"]
+        except Exception:
+            pass
+    return out
+
 ASK = {
     "ping": lambda: "pong",
     "counts": engine_cache_counts,
     "steps": lambda: ray.get(actor("rank0").timings.remote(), timeout=30)["steps"],
     "names": named,
     "kill": lambda role: ray.kill(actor(role)),
+    "proposed": proposed,
     "metrics_port": lambda: max(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]),
 }
 for line in sys.stdin:
@@ -359,18 +371,21 @@ def test_too_large_a_message_is_resource_exhausted(server):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_queue_overflow_is_resource_exhausted_and_service_recovers(server):
+def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_prompt):
+    """Past max_ongoing_requests + max_queued_requests a call gets RESOURCE_EXHAUSTED
+    (HTTP: 503); a client that retries it (README, the client's retries) gets in once
+    the queue has room, its first attempts refused; the service then serves as before.
+    The streams that fill it are greedy on a prompt with no EOS for 450 tokens, so none
+    ends (and frees its slot) before the test cancels it."""
     codes: list = []
-    calls = []
+    clients: list = []
 
     def run(i):
         client = server.client(retry=NO_RETRY)  # the server's own answer, not a retry's
+        clients.append(client)
         try:
-            for n, _ in enumerate(
-                client.stream("def f(x):", max_tokens=300, seed=i, temperature=1.0)
-            ):
-                if n == 0:
-                    calls.append(client.last_call)
+            for _ in client.stream(long_prompt, max_tokens=400, temperature=0.0):
+                pass
             codes.append(grpc.StatusCode.OK)
         except grpc.RpcError as err:
             codes.append(err.code())
@@ -385,18 +400,35 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server):
     # README: with the replica full, Serve's HTTP proxy queues up to max_queued_requests
     # (its own queue: Serve bounds the queue per proxy) and answers 503 beyond that
     http_statuses = _http_burst(server, 3)
-    for call in calls:
-        call.cancel()
-    for t in threads:
+    retrying = server.client(retry=RetryPolicy(max_attempts=40, max_backoff_s=1.0))
+    retried: dict = {}
+
+    def get_in():
+        try:
+            retried["reply"] = retrying.generate("def g():", max_tokens=3)
+        except grpc.RpcError as err:
+            retried["error"] = err
+
+    knocker = threading.Thread(target=get_in)
+    knocker.start()
+    time.sleep(1.5)  # its first attempts meet the full queue
+    for client in clients:  # the running, the queued and the refused (a no-op)
+        if getattr(client, "last_call", None) is not None:
+            client.last_call.cancel()
+    for t in [*threads, knocker]:
         t.join(timeout=120)
     statuses = http_statuses()
     assert 503 in statuses and set(statuses) <= {200, 503}, statuses
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
-    assert set(codes) <= {
+    assert set(codes) <= {  # OK: a cancel Serve's proxy lost (README, "Cancellation")
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.OK,
     }, codes
+    assert "reply" in retried, retried
+    assert len(retried["reply"].token_ids) == 3 and retrying.last_attempts >= 2, (
+        retrying.last_attempts
+    )
     assert len(server.client().generate("def g():", max_tokens=3).token_ids) == 3
 
 
@@ -516,24 +548,28 @@ def _stops_in_three_tries(server, leave_early) -> None:
 
 def test_a_stream_with_a_running_request_id_is_refused_and_the_first_runs_on(server, long_prompt):
     """README: a request_id that names a request still running gets INVALID_ARGUMENT,
-    and the first keeps its id. The refused stream must not cancel the first (a cancel
-    by id on the way out of the refused call stopped it)."""
+    and the first keeps its id, and can still be cancelled. The refused stream must not
+    cancel the first (a cancel by id on the way out of the refused call stopped it), and
+    the first's cancel must still reach the engine (decode steps, as the cancel tests:
+    up to three tries, for the cancels Serve's proxy loses)."""
     client, second = server.client(), server.client(retry=NO_RETRY)
-    rid = "dup-id-1"
-    # a short time limit: Serve's proxy loses a cancel that lands while it writes a
-    # chunk (README, "Cancellation"), likelier here, where chunks queue while the second
-    # call runs; the limit then ends the first
-    first = client.stream(long_prompt, request_id=rid, time_limit_s=15.0, **CANCEL_KW)
-    got = [next(first) for _ in range(3)]
-    with pytest.raises(grpc.RpcError) as err:
-        list(second.stream("def g():", request_id=rid, max_tokens=4))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
-    assert "request_id" in err.value.details() and "already running" in err.value.details()
-    got += [next(first) for _ in range(30)]  # it goes on (cancelled, it would end)
-    assert all(not chunk.finish_reason for chunk in got)
-    assert len(got) == 33
-    first.close()
-    _assert_caches_freed(server, within_s=60.0)
+    tries = iter(range(3))
+
+    def refused_then_cancelled() -> bool:
+        rid = f"dup-id-{next(tries)}"
+        first = client.stream(long_prompt, request_id=rid, **TRY_KW)
+        got = [next(first) for _ in range(3)]
+        with pytest.raises(grpc.RpcError) as err:
+            list(second.stream("def g():", request_id=rid, max_tokens=4))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "request_id" in err.value.details() and "already running" in err.value.details()
+        got += [next(first) for _ in range(30)]  # it goes on (cancelled, it would end)
+        assert all(not chunk.finish_reason for chunk in got)
+        assert len(got) == 33
+        first.close()
+        return _caches_free(server, within_s=20.0)
+
+    _stops_in_three_tries(server, refused_then_cancelled)
 
 
 def test_a_unary_call_past_its_deadline_frees_its_request(server, long_prompt):
@@ -724,6 +760,8 @@ def test_the_quickstart_client_command_streams_from_the_server(server, capsys):
 def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
     server, embedded_engine, heldout_prompts
 ):
+    import torch
+
     from tests.workers.test_logprobs import _recomputed_log_q
 
     prompt = heldout_prompts[2]
@@ -745,8 +783,18 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
         assert entry.token_id == tokens[pos]
         assert abs(entry.logprob - float(want[pos, tokens[pos]])) < 1e-4
         assert abs(http_lp - entry.logprob) < 1e-9
-        assert len(entry.top) == 3 and len(lp.top_logprobs[pos]) <= 3
+        # the 3 alternatives: q's 3 largest, best first, each at its q; over HTTP the
+        # same, keyed by their text (the likelier keeps a text two tokens share)
+        top = [(t.token_id, t.logprob) for t in entry.top]
+        best = torch.topk(want[pos], 3).values.tolist()
+        assert [v for _, v in top] == pytest.approx(best, abs=1e-4), (pos, top)
+        assert all(abs(v - float(want[pos, t])) < 1e-4 for t, v in top), (pos, top)
+        by_text: dict = {}
+        for t, v in top:
+            by_text.setdefault(embedded_engine.tokenizer.decode([t]), v)
+        assert lp.top_logprobs[pos] == pytest.approx(by_text, abs=1e-9), pos
     assert "".join(lp.tokens) == http.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(tokens))]
     chat_err = None
     try:
         client.chat.completions.create(
@@ -820,7 +868,8 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     replica is for health Checks) outlives a draft kill and a follower-rank kill: it
     ends OK, equal to the uninterrupted output, with no token lost or repeated; health
     answers every poll within 1 s, SERVING throughout the draft kill, NOT_SERVING and
-    back during the rank restart."""
+    back during the rank restart. Between the kills, the replacement draft actor drafts
+    for the running stream: it speculates again (README)."""
     client = server.client()
     prompt = heldout_prompts[9]
     kw = {"max_tokens": 700, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
@@ -853,8 +902,24 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     while not chunks and reader.is_alive():
         time.sleep(0.05)
     poller.start()
+    (killed_draft,) = server.probe.ask("names", "draft")
     draft_killed = _kill(server, "draft")
-    time.sleep(8.0)
+    # the rank kill waits until a new draft actor has proposed blocks (there is one
+    # stream, so for it), and 1 s more
+    proposals: dict = {}
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline and reader.is_alive():
+        proposals = server.probe.ask("proposed")
+        if any(n != killed_draft and count > 0 for n, count in proposals.items()):
+            break
+        time.sleep(0.2)
+    drafting_again = time.monotonic() - draft_killed
+    assert any(n != killed_draft and c > 0 for n, c in proposals.items()), (
+        killed_draft,
+        proposals,
+        {"chunks": len(chunks), "s_after_kill": round(drafting_again, 1)},
+    )
+    time.sleep(1.0)
     rank_killed = _kill(server, "rank1")
     reader.join(timeout=300)
     time.sleep(1.0)

@@ -185,7 +185,16 @@ def test_http_errors_through_serves_proxy_are_openai_shaped(timeout_server):
             error = reply.json()["error"]
             assert error["message"] and (param is None or error["param"] == param), error
         body = {"model": "verifier", "prompt": "x", "max_tokens": 2, "response_format": None}
-        assert http.post(f"{base}/completions", json=body).status_code == 200
+        assert http.post(f"{base}/completions", json=body | {"rule": None}).status_code == 200
+    # Without the token: 401 on every route the app serves, unknown ones included; only
+    # Serve's own /-/healthz and /-/routes, which its proxy answers itself (README).
+    root = base.removesuffix("/v1")
+    with httpx2.Client(timeout=60) as http:
+        for method, path in (("GET", "/models"), ("GET", "/nowhere"), ("POST", "/completions")):
+            reply = http.request(method, base + path, json={"prompt": "x"})
+            assert reply.status_code == 401, (path, reply.text)
+        assert http.get(f"{root}/-/healthz").status_code == 200
+        assert http.get(f"{root}/-/routes").status_code == 200
 
 
 def test_a_request_above_the_whole_kv_budget_is_invalid_argument_on_both_apis(timeout_server):
