@@ -25,6 +25,14 @@ from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+def _too_large(err: grpc.RpcError) -> bool:
+    """gRPC's RESOURCE_EXHAUSTED for a message over a receive limit (the same code as a
+    full queue; gRPC's details say so: "Received message larger than max (N vs. M)"),
+    which the same message meets again on every attempt."""
+    details = (err.details() or "").lower()
+    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """gRPC's retry policy fields (A6): attempts in all, backoff bounds, multiplier."""
@@ -71,8 +79,28 @@ class _Attempts:
         self.made += 1
         if err.code() not in self.policy.codes or self.made >= self.policy.max_attempts:
             return None
+        if _too_large(err):  # RESOURCE_EXHAUSTED that a retry cannot cure
+            return None
         pause = self.policy.backoff(self.made - 1, self.rng)
         return pause if time.monotonic() + pause < self.deadline else None
+
+
+async def _read(call):
+    """call.read(), except that a call cancelled through `last_call.cancel()` (not by
+    cancelling the task) raises RpcError CANCELLED, as the blocking client's does, where
+    grpc.aio raises asyncio.CancelledError, which would look like the task's own."""
+    try:
+        return await call.read()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if call.cancelled() and not (task is not None and task.cancelling()):
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.CANCELLED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details="Locally cancelled by application!",
+            ) from None
+        raise
 
 
 class _Client:
@@ -121,8 +149,8 @@ class CactusClient(_Client):
         top_p: float | None = None,
         top_k: int = 0,
         seed: int | None = None,
-        stop: list[str] = (),
-        stop_token_ids: list[int] = (),
+        stop: str | list[str] = (),
+        stop_token_ids: int | list[int] = (),
         rule: str = "",
         delta: float | None = None,
         num_speculative_tokens: int = 0,
@@ -138,8 +166,11 @@ class CactusClient(_Client):
             msg.prompt_token_ids.ids.extend(prompt)
         s = msg.sampling
         s.max_tokens, s.top_k = max_tokens, top_k
-        s.stop.extend(stop)
-        s.stop_token_ids.extend(stop_token_ids)
+        # one stop string or id, as OpenAI clients accept (a str is not a list of chars)
+        s.stop.extend([stop] if isinstance(stop, str) else stop)
+        s.stop_token_ids.extend(
+            [stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids
+        )
         for name, value in (
             ("temperature", temperature),
             ("top_p", top_p),
@@ -284,7 +315,7 @@ class AsyncCactusClient(_Client):
                     return
                 self.last_attempts = attempts.made + 1
                 yield first
-                while (chunk := await call.read()) is not grpc.aio.EOF:
+                while (chunk := await _read(call)) is not grpc.aio.EOF:
                     yield chunk
                 return
             finally:

@@ -53,6 +53,11 @@ class ModelsConfig(_Model):
         "float32",
     )
     device: Str = doc("cpu or cuda", "cpu")
+    served_model_name: list[Str] = doc(
+        "the names the OpenAI API answers to (vLLM's --served-model-name; responses carry "
+        "the one a request used, else the first); empty: the verifier folder's name",
+        default_factory=list,
+    )
 
 
 class ActorResourcesConfig(_Model):
@@ -291,6 +296,12 @@ def validate(c: ServeConfig) -> None:
         "models.dtype",
         "float16 tensor parallelism is not supported on CPU (DeepSpeed's CPU accelerator "
         "refuses it); use bfloat16 or float32, or tp_size 1",
+    )
+    names = c.models.served_model_name
+    _check(
+        all(n.strip() == n and n for n in names) and len(set(names)) == len(names),
+        "models.served_model_name",
+        f"names must be non-empty, without surrounding spaces, and distinct, got {names!r}",
     )
     _check(
         c.models.device in ("cpu", "cuda"),

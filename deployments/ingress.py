@@ -110,17 +110,25 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
     )
 
 
-def tokenize(request: GenerationRequest, tokenizer, limits: Limits) -> GenerationRequest:
-    """Validate, tokenize a text prompt, validate the lengths; returns an ids request."""
+def tokenize(
+    request: GenerationRequest, tokenizer, limits: Limits, *, fit_max_tokens: bool = False
+) -> GenerationRequest:
+    """Validate, tokenize a text prompt, validate the lengths; returns an ids request.
+    fit_max_tokens: max_tokens is the server's default, not the client's, so it shrinks
+    to the context the prompt leaves (as vLLM's default does) instead of failing."""
     validate_request(request, limits)
     if request.prompt_token_ids:
-        validate_request(request, limits, prompt_len=len(request.prompt_token_ids))
-        return request
-    ids = tokenizer.encode(request.prompt, add_special_tokens=False)
-    if not ids:
-        raise InvalidRequestError("prompt", "encodes to zero tokens")
+        ids = request.prompt_token_ids
+    else:
+        ids = tokenizer.encode(request.prompt, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("prompt", "encodes to zero tokens")
+        request = replace(request, prompt=None, prompt_token_ids=tuple(ids))
+    room = limits.max_context - len(ids)
+    if fit_max_tokens and 1 <= room < request.sampling.max_tokens:
+        request = replace(request, sampling=replace(request.sampling, max_tokens=room))
     validate_request(request, limits, prompt_len=len(ids))
-    return replace(request, prompt=None, prompt_token_ids=tuple(ids))
+    return request
 
 
 def group_config(config: ServeConfig):
@@ -269,9 +277,17 @@ class CactusIngress:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
     @property
+    def model_names(self) -> list[str]:
+        """The names the OpenAI API answers to: `models.served_model_name`, else the
+        verifier checkpoint's folder name."""
+        return list(self.config.models.served_model_name) or [
+            Path(self.config.models.verifier).name
+        ]
+
+    @property
     def model_name(self) -> str:
-        """The name /v1/models serves: the verifier checkpoint's folder name."""
-        return Path(self.config.models.verifier).name
+        """The first name: what a response carries when its request named none."""
+        return self.model_names[0]
 
     def __serve_build_asgi_app__(self):
         """Ray Serve's late-bound HTTP ingress: the OpenAI-compatible routes
@@ -283,7 +299,12 @@ class CactusIngress:
     def _prepare(self, msg, grpc_context) -> GenerationRequest:
         self._authorize(grpc_context)
         try:
-            return tokenize(to_request(msg, self.config), self.tokenizer, self.limits)
+            return tokenize(
+                to_request(msg, self.config),
+                self.tokenizer,
+                self.limits,
+                fit_max_tokens=not msg.sampling.max_tokens,
+            )
         except InvalidRequestError as err:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
 

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 
 import grpc
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -240,6 +241,8 @@ def to_request(
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", s.default_max_tokens, integer=True)
     seed = _number(body, "seed", None, integer=True)
+    if seed is not None and -(2**63) <= seed < 0:  # vLLM takes signed 64-bit seeds: the
+        seed += 2**64  # same 64 bits, unsigned (the engine's seeds are in [0, 2^64))
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", s.default_temperature),
@@ -274,22 +277,56 @@ def to_request(
     )
 
 
+def _message_text(m, i: int) -> str:
+    """A message's content as text: a string; a list of text parts (OpenAI's content
+    parts, as LangChain sends them), joined with newlines as vLLM does; null for an
+    assistant message (OpenAI allows it beside tool calls)."""
+    if not isinstance(m, dict):
+        raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(
+                    f"messages[{i}].content[{j}]",
+                    f"only text parts are supported (this model reads text), got {kind!r}",
+                )
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"messages[{i}].content[{j}].text", "must be a string")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise InvalidRequestError(
+        f"messages[{i}].content", "must be a string or a non-empty list of text parts"
+    )
+
+
 def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list")
+    plain = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise InvalidRequestError(f"messages[{i}]", "needs a string 'content'")
+        text = _message_text(m, i)
         if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
             raise InvalidRequestError(f"messages[{i}].role", f"unknown role {m.get('role')!r}")
+        plain.append({"role": m["role"], "content": text})
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "messages",
             "this model's tokenizer has no chat template; use /v1/completions with a prompt",
         )
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+    except jinja2.TemplateError as err:  # the template's raise_exception, or its own bug
+        raise InvalidRequestError(
+            "messages", f"the model's chat template refused them: {err}"
+        ) from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -531,14 +568,23 @@ def build_routes(ingress, tokenize, logger):
             headers=getattr(err, "headers", None),
         )
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         return {
-            "id": ingress.model_name,
+            "id": name,
             "object": "model",
             "created": ingress.started,
             "owned_by": "cactus",
             "max_model_len": ingress.info["max_context"],
         }
+
+    def unknown_model(model) -> OpenAIError:
+        return OpenAIError(
+            404,
+            f"the model {model!r} does not exist here; GET /v1/models lists "
+            f"{', '.join(map(repr, ingress.model_names))}",
+            param="model",
+            code="model_not_found",
+        )
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -546,24 +592,18 @@ def build_routes(ingress, tokenize, logger):
             ingress.authorize(request.headers.get("authorization", ""))
         except Exception as err:
             return fail(err, "")
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in ingress.model_names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str):
         """What `client.models.retrieve(name)` calls."""
         try:
             ingress.authorize(request.headers.get("authorization", ""))
-            if model != ingress.model_name:
-                raise OpenAIError(
-                    404,
-                    f"the model {model!r} does not exist here; GET /v1/models lists "
-                    f"{ingress.model_name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
+            if model not in ingress.model_names:
+                raise unknown_model(model)
         except Exception as err:
             return fail(err, "")
-        return model_card()
+        return model_card(model)
 
     async def generate(http: Request, chat: bool):
         import asyncio
@@ -578,14 +618,8 @@ def build_routes(ingress, tokenize, logger):
                 raise InvalidRequestError("body", "must be a JSON object") from None
             _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             model = body.get("model")
-            if model is not None and model != ingress.model_name:
-                raise OpenAIError(
-                    404,
-                    f"the model {model!r} does not exist here; GET /v1/models lists "
-                    f"{ingress.model_name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
+            if model is not None and model not in ingress.model_names:
+                raise unknown_model(model)
             field = "max_completion_tokens" if chat else "max_tokens"
             base = to_request(body, ingress.config, max_tokens_field=field, chat=chat)
             if chat:
@@ -593,10 +627,16 @@ def build_routes(ingress, tokenize, logger):
             else:
                 prompt = completion_prompt(body)
             try:
-                req = tokenize(replace(base, **prompt), ingress.tokenizer, ingress.limits)
+                unset = all(body.get(name) is None for name in (field, "max_tokens"))
+                req = tokenize(
+                    replace(base, **prompt),
+                    ingress.tokenizer,
+                    ingress.limits,
+                    fit_max_tokens=unset,
+                )
             except InvalidRequestError as err:
                 raise as_sent(err, body, chat) from None
-            shape = Shape(chat, ingress.model_name, req.request_id, ingress.tokenizer)
+            shape = Shape(chat, model or ingress.model_name, req.request_id, ingress.tokenizer)
             if not body.get("stream"):
                 with ingress.metrics.running():
                     result = await ingress.engine.agenerate(req)

@@ -192,6 +192,7 @@ class VerifierRank:
             LocalVerifier(self.mirror),
             self.runner.tokenizer,
             limits=limits,
+            eos_token_id=self.runner.eos_token_ids,
             scheduler=scheduler,
         )
         from workers.engine_metrics import EngineMetrics

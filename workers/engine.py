@@ -26,7 +26,7 @@ import logging
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -109,7 +109,7 @@ class SpeculativeEngine:
         tokenizer,
         *,
         limits: Limits | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         scheduler: SchedulerConfig | None = None,
     ) -> None:
         self.drafter = drafter
@@ -118,7 +118,12 @@ class SpeculativeEngine:
         self.limits = limits or Limits(
             max_context=verifier.max_context, vocab_size=verifier.vocab_size
         )
-        self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        # the ids that end a text (the runners' eos_token_ids: the tokenizer's and the
+        # generation config's); by default the tokenizer's only
+        eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_token_ids = frozenset(
+            () if eos is None else [eos] if isinstance(eos, int) else map(int, eos)
+        )
         self.scheduler = Scheduler(scheduler)
         self.policy = SpeculationPolicy(PolicyConfig(kind=self.scheduler.config.policy))
         self.timing = StepTiming()
@@ -149,7 +154,7 @@ class SpeculativeEngine:
             request,
             prompt_ids,
             seed=seed,
-            eos=self.eos_token_id,
+            eos=self.eos_token_ids,
             tokenizer=self.tokenizer,
             max_context=self.limits.max_context,
             sink=sink,

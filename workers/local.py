@@ -209,5 +209,6 @@ def local_engine(
         LocalVerifier(verifier),
         verifier.tokenizer,
         limits=limits,
+        eos_token_id=verifier.eos_token_ids,
         scheduler=scheduler,
     )

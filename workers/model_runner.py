@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+)
 from transformers.utils import logging as hf_logging
 
 from cactus import environment
@@ -61,9 +67,19 @@ class LoadedModel:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     @property
-    def eos_token_id(self) -> int | None:
-        eos = self.tokenizer.eos_token_id
-        return eos if eos is not None else getattr(self.config, "eos_token_id", None)
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a text: the tokenizer's EOS and the checkpoint's
+        generation_config.json's (a list in many instruct checkpoints; vLLM stops at
+        those too), else the model config's."""
+        ids = set() if self.tokenizer.eos_token_id is None else {self.tokenizer.eos_token_id}
+        try:
+            extra = GenerationConfig.from_pretrained(self.path).eos_token_id
+        except OSError:  # no generation_config.json
+            extra = None
+        if extra is None and not ids:
+            extra = getattr(self.config, "eos_token_id", None)
+        ids.update([extra] if isinstance(extra, int) else extra or ())
+        return tuple(sorted(int(t) for t in ids))
 
 
 class ModelRunner(LoadedModel):

@@ -9,7 +9,7 @@ prefilled in chunks (`prefilled` counts them) before it joins the decode batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -164,7 +164,7 @@ class RequestState:
         prompt_ids: list[int],
         *,
         seed: int,
-        eos: int | None,
+        eos: int | Iterable[int] | None,
         tokenizer,
         max_context: int,
         sink: Sink,
@@ -178,7 +178,8 @@ class RequestState:
         self.prompt_len = len(prompt_ids)
         self.prompt_ids = list(prompt_ids) + self.prior  # what both rows are prefilled with
         self.seed = seed
-        self.eos = eos
+        # the ids that end the text (EOS; several in many instruct checkpoints)
+        self.eos = frozenset(() if eos is None else [eos] if isinstance(eos, int) else eos)
         self.max_context = max_context
         self.sink = sink
         self.cancelled = cancelled
@@ -265,7 +266,7 @@ class RequestState:
         for tok in tokens:
             self.generated.append(tok)
             taken.append(tok)
-            if tok == self.eos:
+            if tok in self.eos:
                 self.finish_reason = "EOS"
                 break
             if tok in s.stop_token_ids:  # kept in token_ids, not in the text

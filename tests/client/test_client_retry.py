@@ -29,6 +29,7 @@ class Flaky(pb_grpc.CactusServicer):
     def __init__(self) -> None:
         self.failures, self.code, self.fail_mid_stream = 0, grpc.StatusCode.UNAVAILABLE, False
         self.calls = 0
+        self.pause_s = 0.0  # between a stream's two chunks
         self.limits: list[float] = []  # each call's time_limit_s, as received
         self.lock = threading.Lock()
 
@@ -52,6 +53,7 @@ class Flaky(pb_grpc.CactusServicer):
     def GenerateStream(self, request, context):
         self._maybe_fail(context, request)
         yield pb.GenerateResponse(request_id="r", text="a", token_ids=[1])
+        time.sleep(self.pause_s)
         if self.fail_mid_stream:
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine restarting")
         yield pb.GenerateResponse(request_id="r", text="b", token_ids=[2], finish_reason="LENGTH")
@@ -316,3 +318,90 @@ def test_no_retry_makes_one_attempt_in_the_asyncio_client(flaky):
         return [c async for c in stream]
 
     assert asyncio.run(run()) == [(grpc.StatusCode.UNAVAILABLE, 1, 1)] * 3
+
+
+def test_a_message_over_the_servers_receive_limit_is_not_retried():
+    """RESOURCE_EXHAUSTED for a message over the receive limit (gRPC: "Received message
+    larger than max") is raised at once by both clients: the same message would meet it
+    on every attempt. A full queue's RESOURCE_EXHAUSTED is still retried (above)."""
+    servicer = Flaky()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2),
+        options=[("grpc.max_receive_message_length", 1024)],
+    )
+    pb_grpc.add_CactusServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        client = CactusClient(address, retry=FAST, timeout=10)
+        for call in (lambda: client.generate("x" * 4096), lambda: list(client.stream("y" * 4096))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in err.value.details() and client.last_attempts == 1
+
+        async def run():
+            aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+            try:
+                await aclient.generate("x" * 4096)
+            except grpc.RpcError as err:
+                code = err.code()
+            await aclient.close()
+            return code, aclient.last_attempts
+
+        assert asyncio.run(run()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 1)
+        assert servicer.calls == 0  # refused before the handler, every time
+        # a short message goes through the same client
+        assert client.generate("x").text == "ok"
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_single_stop_string_or_id_is_one_stop_not_its_characters():
+    msg = CactusClient.request("p", stop="\n\n###", stop_token_ids=7)
+    assert list(msg.sampling.stop) == ["\n\n###"] and list(msg.sampling.stop_token_ids) == [7]
+    msg = CactusClient.request("p", stop=["a", "bc"], stop_token_ids=[1, 2])
+    assert list(msg.sampling.stop) == ["a", "bc"] and list(msg.sampling.stop_token_ids) == [1, 2]
+
+
+def test_a_stream_cancelled_through_last_call_raises_cancelled_in_both_clients(flaky):
+    """`last_call.cancel()` mid-stream: the blocking client raises RpcError CANCELLED,
+    and so does the asyncio one (grpc.aio alone raises asyncio.CancelledError, which a
+    caller cannot tell from its task's own cancellation); a cancelled task still gets
+    CancelledError."""
+    servicer, address = flaky
+    servicer.pause_s = 2.0
+    client = CactusClient(address, retry=FAST, timeout=10)
+    stream = client.stream("x")
+    assert next(stream).text == "a"
+    client.last_call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        next(stream)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        stream = aclient.stream("x")
+        first = (await anext(stream)).text
+        aclient.last_call.cancel()
+        try:
+            await anext(stream)
+        except grpc.RpcError as err:
+            code = err.code()
+
+        async def consume():
+            async for _ in aclient.stream("x"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.5)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            cancelled = True
+        await aclient.close()
+        return first, code, cancelled
+
+    assert asyncio.run(run()) == ("a", grpc.StatusCode.CANCELLED, True)

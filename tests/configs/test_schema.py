@@ -246,3 +246,10 @@ def test_the_grpc_message_size_variable_follows_the_config(monkeypatch):
     with pytest.raises(ValueError, match=r"limits\.max_message_bytes is 4096 .* '2048'"):
         grpc_message_size(4096)
     assert os.environ[GRPC_MESSAGE_SIZE] == "2048"
+
+
+@pytest.mark.parametrize("names", [["a", "a"], [""], [" a"]])
+def test_served_model_names_must_be_distinct_and_plain(names):
+    with pytest.raises(ConfigError, match=r"models\.served_model_name"):
+        from_dict({"models": {"served_model_name": names}})
+    assert from_dict({"models": {"served_model_name": ["a", "b/c"]}}).models.served_model_name

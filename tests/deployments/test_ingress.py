@@ -106,6 +106,22 @@ def test_defaults_fill_unset_fields(ray_session):
     assert req.prompt is None and len(req.prompt_token_ids) > 0 and req.request_id
 
 
+def test_an_unset_max_tokens_fits_the_context_the_prompt_leaves(ray_session):
+    """The server's default max_tokens (not the client's) shrinks to what the prompt
+    leaves of the context, as vLLM's does; a max_tokens the client set that does not fit
+    is still INVALID_ARGUMENT on max_tokens."""
+    engine = FakeEngine()  # max_context 1024
+    shim = _shim(engine, sampling={"default_max_tokens": 64})
+    ids = [5] * 1000
+    asyncio.run(shim.Generate(CactusClient.request(ids), Ctx()))
+    assert engine.seen[-1].sampling.max_tokens == 24
+    asyncio.run(shim.Generate(CactusClient.request(ids[:900]), Ctx()))
+    assert engine.seen[-1].sampling.max_tokens == 64
+    ctx = Ctx()
+    asyncio.run(shim.Generate(CactusClient.request(ids, max_tokens=30), ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in ctx.details
+
+
 def test_the_server_request_timeout_caps_every_time_limit(ray_session):
     """limits.request_timeout_s is the ceiling of a request's time_limit_s (gRPC and
     HTTP build requests through the same LimitsConfig.time_limit); 0 leaves it alone."""

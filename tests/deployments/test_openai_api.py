@@ -149,6 +149,102 @@ def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "xxx"
 
 
+def test_served_model_names_are_what_the_api_answers_to(ray_session):
+    """models.served_model_name (vLLM's --served-model-name): /v1/models lists each, a
+    request may name any and its response carries that one (the first when it names
+    none), and the folder's name is then unknown."""
+    _, app = _app(models={"served_model_name": ["coder", "org/Coder-8B"]})
+    listed = _raw(app, "GET", "/v1/models").json()["data"]
+    assert [card["id"] for card in listed] == ["coder", "org/Coder-8B"]
+    assert _raw(app, "GET", "/v1/models/org/Coder-8B").json()["id"] == "org/Coder-8B"
+    for sent, echoed in (("org/Coder-8B", "org/Coder-8B"), ("coder", "coder"), (None, "coder")):
+        body = {"prompt": "x", "max_tokens": 2, "model": sent}
+        reply = _raw(app, "POST", "/v1/completions", json=body)
+        assert reply.status_code == 200 and reply.json()["model"] == echoed, reply.text
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "model": "verifier"})
+    assert reply.status_code == 404, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "model_not_found" and "'org/Coder-8B'" in error["message"]
+    assert _raw(app, "GET", "/v1/models/verifier").status_code == 404
+
+
+def test_a_negative_seed_is_its_twos_complement(ray_session):
+    """vLLM takes signed 64-bit seeds; the engine's are unsigned: the same 64 bits."""
+    shim, app = _app()
+    for sent, used in ((-1, 2**64 - 1), (-(2**63), 2**63), (7, 7), (2**64 - 1, 2**64 - 1)):
+        reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "seed": sent})
+        assert reply.status_code == 200, reply.text
+        assert shim.engine.seen[-1].sampling.seed == used
+    for sent in (-(2**63) - 1, 2**64):
+        reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "seed": sent})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "seed", sent
+
+
+def test_an_unset_max_tokens_fits_the_context_over_http(ray_session):
+    """As over gRPC (test_ingress): the server's default shrinks to what the prompt
+    leaves of the context (1024 here), a value the client sent does not, for both routes
+    and both of chat's names for it."""
+    shim, app = _app(sampling={"default_max_tokens": 64})
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    ids = [5] * 1000
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": ids, "max_tokens": None})
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].sampling.max_tokens == 24
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": ids, "max_tokens": 30})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+    text = shim.tokenizer.decode(ids)
+    chat_ids = shim.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    room = 1024 - len(chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"])
+    assert 1 <= room < 64, room
+    messages = [{"role": "user", "content": text}]
+    reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": messages})
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].sampling.max_tokens == room
+    for name in ("max_tokens", "max_completion_tokens"):
+        body = {"messages": messages, name: 64}
+        reply = _raw(app, "POST", "/v1/chat/completions", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == name, reply.text
+
+
+def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_session):
+    """Content as a list of text parts (openai-python's and LangChain's form) is joined
+    with newlines, as vLLM does; an assistant's null content is empty; other part types
+    and a template's own raise_exception are 400s naming the field, not 500s."""
+    shim, app = _app()
+    shim.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('system must come first') }}{% endif %}"
+        "<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+    messages = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"},
+    ]
+    body = {"model": "verifier", "messages": messages, "max_tokens": 3}
+    reply = _raw(app, "POST", "/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    want = "<user>hello\nthere\n<assistant>\n<user>again\n<assistant>"
+    assert list(shim.engine.seen[-1].prompt_token_ids) == shim.tokenizer.encode(
+        want, add_special_tokens=False
+    )
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    late_system = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+    for messages, param, words in (
+        ([{"role": "user", "content": [parts[0], image]}], "messages[0].content[1]", "image_url"),
+        ([{"role": "user", "content": None}], "messages[0].content", "string"),
+        ([{"role": "user", "content": []}], "messages[0].content", "text parts"),
+        (late_system, "messages", "system must come first"),
+    ):
+        body = {"model": "verifier", "messages": messages}
+        reply = _raw(app, "POST", "/v1/chat/completions", json=body)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and words in error["message"], error
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

@@ -366,9 +366,12 @@ def test_auth_is_required_on_every_rpc(server):
 
 
 def test_too_large_a_message_is_resource_exhausted(server):
+    """... at once: the client does not retry what would be refused again (README)."""
+    client = server.client()
     with pytest.raises(grpc.RpcError) as err:
-        server.client().generate("x" * (2 << 20), max_tokens=2)
+        client.generate("x" * (2 << 20), max_tokens=2)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in err.value.details() and client.last_attempts == 1
 
 
 def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_prompt):

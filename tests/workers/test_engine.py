@@ -126,6 +126,43 @@ def test_stop_token_id_and_eos(embedded_engine, heldout_prompts):
     assert res.text == embedded_engine.tokenizer.decode(base.token_ids[:first])
 
 
+def test_every_eos_id_of_the_generation_config_ends_the_text(
+    embedded_engine, heldout_prompts, tmp_path
+):
+    """A checkpoint whose generation_config.json lists several eos_token_id values (as
+    many instruct ones do) stops at any of them, as vLLM does, not only at the
+    tokenizer's one: a copy of the embedded pair listing [EOS, the 6th greedy token]."""
+    import json
+    import shutil
+
+    from tests.conftest import embedded_dirs
+    from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
+
+    prompt = heldout_prompts[4]
+    base = embedded_engine.generate(_req(prompt, rule="none", temperature=0.0, max_tokens=30))
+    extra = base.token_ids[5]
+    first = base.token_ids.index(extra)
+    eos = embedded_engine.tokenizer.eos_token_id
+    assert extra != eos and base.finish_reason == "LENGTH"
+    dirs = []
+    for src in embedded_dirs():
+        dst = tmp_path / src.rstrip("/").rsplit("/", 1)[-1]
+        shutil.copytree(src, dst)
+        gen = json.loads((dst / "generation_config.json").read_text())
+        (dst / "generation_config.json").write_text(
+            json.dumps({**gen, "eos_token_id": [eos, extra]})
+        )
+        dirs.append(str(dst))
+    engine = local_engine(*dirs, scheduler=SchedulerConfig(policy="fixed"))
+    assert engine.eos_token_ids == {eos, extra}
+    for rule in ("none", "cactus"):
+        res = engine.generate(_req(prompt, rule=rule, temperature=0.0, max_tokens=30))
+        assert res.finish_reason == "EOS" and res.token_ids == base.token_ids[: first + 1], rule
+    # the shipped checkpoints list one EOS, the tokenizer's
+    assert embedded_engine.eos_token_ids == {eos}
+
+
 def test_max_tokens_and_streaming_reassemble(embedded_engine, heldout_prompts):
     chunks = list(
         embedded_engine.stream(
