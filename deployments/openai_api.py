@@ -332,18 +332,34 @@ def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
     return [int(t) for t in ids]
 
 
-def completion_prompt(body: dict) -> dict:
-    """prompt: a string, or a list of token ids (one prompt: n = 1)."""
+MAX_PROMPTS = 64  # prompts in one completions request (each is a request of its own)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def completion_prompts(body: dict) -> list[dict]:
+    """prompt: a string, a list of token ids, or a list of either (a batch of prompts,
+    as OpenAI's API and vLLM take it: LangChain sends up to 20 at once)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # the OpenAI client sends ["text"] for a batch of one
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        batch = [prompt]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, str) or _is_ids(p) for p in prompt)
     ):
-        return {"prompt_token_ids": tuple(prompt)}
-    raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt)")
+        batch = prompt
+    else:
+        raise InvalidRequestError(
+            "prompt", "must be a string, a list of token ids, or a non-empty list of those"
+        )
+    if len(batch) > MAX_PROMPTS:
+        raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts, got {len(batch)}")
+    return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": tuple(p)} for p in batch]
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -436,26 +452,35 @@ class Shape:
             "text_offset": offsets,
         }
 
-    def whole(self, request, result) -> dict:
+    def choice(self, result, index: int = 0) -> dict:
         finish = FINISH.get(result.finish_reason, "stop")
+        self.text_offset = 0
         logprobs = self.logprobs(result.logprobs)
         if self.chat:
-            choice = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": {"role": "assistant", "content": result.text},
                 "finish_reason": finish,
                 "logprobs": logprobs,
             }
-        else:
-            choice = {
-                "index": 0,
-                "text": result.text,
-                "finish_reason": finish,
-                "logprobs": logprobs,
-            }
-        out = self._envelope(self.object, [choice])
+        return {"index": index, "text": result.text, "finish_reason": finish, "logprobs": logprobs}
+
+    def whole(self, request, result) -> dict:
+        out = self._envelope(self.object, [self.choice(result)])
         out["usage"] = usage(result)
         out["cactus"] = cactus_stats(request, result)
+        out["system_fingerprint"] = None
+        return out
+
+    def batch(self, requests, results) -> dict:
+        """Several prompts: a choice each, in prompt order, each with its own `cactus`
+        object; usage summed."""
+        choices = []
+        for i, (request, result) in enumerate(zip(requests, results, strict=True)):
+            choices.append({**self.choice(result, i), "cactus": cactus_stats(request, result)})
+        out = self._envelope(self.object, choices)
+        each = [usage(result) for result in results]
+        out["usage"] = {key: sum(u[key] for u in each) for key in each[0]}
         out["system_fingerprint"] = None
         return out
 
@@ -605,6 +630,31 @@ def build_routes(ingress, tokenize, logger):
             return fail(err, "")
         return model_card(model)
 
+    async def batch(reqs: list, start: float) -> list:
+        """Every prompt's request at once (the engine batches them); one that fails
+        fails the response and cancels the rest, as a client that goes away does."""
+        import asyncio
+
+        async def one(req):
+            result = await ingress.engine.agenerate(req)
+            ingress.metrics.finished(req, result, start, unary=True)
+            return result
+
+        tasks = [asyncio.ensure_future(one(req)) for req in reqs]
+        try:
+            with ingress.metrics.running():
+                return await asyncio.gather(*tasks)
+        except BaseException:  # a request failed, or the client went away
+            for req, task in zip(reqs, tasks, strict=True):
+                if task.done() and not task.cancelled():
+                    if task.exception() is not None:
+                        ingress.metrics.ended(req, "ERROR")
+                    continue  # finished (counted) or failed
+                task.cancel()
+                ingress.engine.cancel(req.request_id)
+                ingress.metrics.ended(req, "CANCELLED")
+            raise
+
     async def generate(http: Request, chat: bool):
         import asyncio
 
@@ -623,20 +673,31 @@ def build_routes(ingress, tokenize, logger):
             field = "max_completion_tokens" if chat else "max_tokens"
             base = to_request(body, ingress.config, max_tokens_field=field, chat=chat)
             if chat:
-                prompt = {"prompt_token_ids": tuple(chat_prompt_ids(body, ingress.tokenizer))}
+                prompts = [{"prompt_token_ids": tuple(chat_prompt_ids(body, ingress.tokenizer))}]
             else:
-                prompt = completion_prompt(body)
+                prompts = completion_prompts(body)
             try:
                 unset = all(body.get(name) is None for name in (field, "max_tokens"))
-                req = tokenize(
-                    replace(base, **prompt),
-                    ingress.tokenizer,
-                    ingress.limits,
-                    fit_max_tokens=unset,
-                )
+                reqs = [
+                    tokenize(
+                        replace(base, **prompt),
+                        ingress.tokenizer,
+                        ingress.limits,
+                        fit_max_tokens=unset,
+                    )
+                    for prompt in prompts
+                ]
             except InvalidRequestError as err:
                 raise as_sent(err, body, chat) from None
-            shape = Shape(chat, model or ingress.model_name, req.request_id, ingress.tokenizer)
+            shape = Shape(chat, model or ingress.model_name, base.request_id, ingress.tokenizer)
+            if len(reqs) > 1:
+                if body.get("stream"):
+                    raise InvalidRequestError(
+                        "stream", "streaming more than one prompt is not supported"
+                    )
+                reqs = [replace(r, request_id=f"{r.request_id}-{i}") for i, r in enumerate(reqs)]
+                return JSONResponse(shape.batch(reqs, await batch(reqs, start)))
+            (req,) = reqs
             if not body.get("stream"):
                 with ingress.metrics.running():
                     result = await ingress.engine.agenerate(req)

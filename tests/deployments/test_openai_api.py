@@ -149,6 +149,44 @@ def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "xxx"
 
 
+def test_a_batch_of_prompts_is_a_choice_each(ray_session):
+    """prompt as a list of strings or id lists (OpenAI's API and vLLM take it; LangChain
+    sends up to 20): one engine request each, a choice each in order with its own
+    `cactus` object, usage summed. Streaming a batch, an empty batch and one over 64
+    prompts are 400s; a failing request fails the response, OpenAI-shaped."""
+    shim, app = _app()
+    client = _client(app)
+    reply = asyncio.run(
+        client.completions.create(model="verifier", prompt=["ab", "cd"], max_tokens=3)
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.text for c in reply.choices] == ["abc", "abc"]
+    seen = shim.engine.seen[-2:]
+    assert sorted(tuple(r.prompt_token_ids) for r in seen) == sorted(
+        tuple(shim.tokenizer.encode(p, add_special_tokens=False)) for p in ("ab", "cd")
+    )
+    assert len({r.request_id for r in seen}) == 2
+    assert all(c.model_extra["cactus"]["num_accepted_tokens"] == 2 for c in reply.choices)
+    assert reply.usage.completion_tokens == 6
+    assert reply.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in seen)
+    ids = _raw(app, "POST", "/v1/completions", json={"prompt": [[5, 6], [7], "x"]})
+    assert ids.status_code == 200 and len(ids.json()["choices"]) == 3, ids.text
+    x = tuple(shim.tokenizer.encode("x", add_special_tokens=False))
+    got = sorted(tuple(r.prompt_token_ids) for r in shim.engine.seen[-3:])
+    assert got == sorted([(5, 6), (7,), x])
+    for body, param in (
+        ({"prompt": ["a", "b"], "stream": True}, "stream"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["x"] * 65}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt"),
+    ):
+        reply = _raw(app, "POST", "/v1/completions", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, body
+    _, broken = _app(FakeEngine(fail=RuntimeError("boom")))
+    reply = _raw(broken, "POST", "/v1/completions", json={"prompt": ["a", "b"]})
+    assert reply.status_code == 500 and set(reply.json()["error"]) >= {"message", "type"}
+
+
 def test_served_model_names_are_what_the_api_answers_to(ray_session):
     """models.served_model_name (vLLM's --served-model-name): /v1/models lists each, a
     request may name any and its response carries that one (the first when it names

@@ -626,6 +626,15 @@ def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_p
         )
     )
     assert greedy.choices[0].text == want.text
+    # a batch of prompts (LangChain sends them so): a choice each, in order, each the
+    # text its prompt gets alone (seeded), usage summed
+    other = heldout_prompts[6]
+    batch = client.completions.create(model=model, prompt=[prompt, other], extra_body=extra, **kw)
+    alone = server.client().generate(other, top_k=30, rule="cactus", delta=1.0, **kw)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [grpc_reply.text, alone.text]
+    both = len(grpc_reply.token_ids) + len(alone.token_ids)
+    assert batch.usage.completion_tokens == both
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt=prompt, n=2)
     assert err.value.body["param"] == "n"
