@@ -93,7 +93,9 @@ async def _read(call):
         return await call.read()
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        if call.cancelled() and not (task is not None and task.cancelling()):
+        # Task.cancelling() is Python 3.11's; without it, the task's own cancel is assumed
+        own = task is None or getattr(task, "cancelling", lambda: 1)()
+        if call.cancelled() and not own:
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.CANCELLED,
                 grpc.aio.Metadata(),
@@ -303,7 +305,7 @@ class AsyncCactusClient(_Client):
             self.last_call = call
             try:
                 try:
-                    first = await call.read()
+                    first = await _read(call)
                 except grpc.RpcError as err:
                     pause = attempts.wait_after(err)
                     self.last_attempts = attempts.made

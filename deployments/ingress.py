@@ -116,6 +116,10 @@ def tokenize(
     """Validate, tokenize a text prompt, validate the lengths; returns an ids request.
     fit_max_tokens: max_tokens is the server's default, not the client's, so it shrinks
     to the context the prompt leaves (as vLLM's default does) instead of failing."""
+    if fit_max_tokens and request.sampling.max_tokens > limits.max_context:
+        request = replace(
+            request, sampling=replace(request.sampling, max_tokens=limits.max_context)
+        )
     validate_request(request, limits)
     if request.prompt_token_ids:
         ids = request.prompt_token_ids

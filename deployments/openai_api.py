@@ -636,14 +636,14 @@ def build_routes(ingress, tokenize, logger):
         import asyncio
 
         async def one(req):
-            result = await ingress.engine.agenerate(req)
+            with ingress.metrics.running():  # each prompt is a running request
+                result = await ingress.engine.agenerate(req)
             ingress.metrics.finished(req, result, start, unary=True)
             return result
 
         tasks = [asyncio.ensure_future(one(req)) for req in reqs]
         try:
-            with ingress.metrics.running():
-                return await asyncio.gather(*tasks)
+            return await asyncio.gather(*tasks)
         except BaseException:  # a request failed, or the client went away
             for req, task in zip(reqs, tasks, strict=True):
                 if task.done() and not task.cancelled():
@@ -659,7 +659,7 @@ def build_routes(ingress, tokenize, logger):
         import asyncio
 
         start = time.monotonic()
-        req = None
+        req = base = None
         try:
             ingress.authorize(http.headers.get("authorization", ""))
             try:
@@ -730,7 +730,7 @@ def build_routes(ingress, tokenize, logger):
         except Exception as err:
             if req is not None:
                 ingress.metrics.ended(req, "ERROR")
-            return fail(err, req.request_id if req else "")
+            return fail(err, req.request_id if req else base.request_id if base else "")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

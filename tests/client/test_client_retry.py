@@ -30,6 +30,7 @@ class Flaky(pb_grpc.CactusServicer):
         self.failures, self.code, self.fail_mid_stream = 0, grpc.StatusCode.UNAVAILABLE, False
         self.calls = 0
         self.pause_s = 0.0  # between a stream's two chunks
+        self.first_pause_s = 0.0  # before its first
         self.limits: list[float] = []  # each call's time_limit_s, as received
         self.lock = threading.Lock()
 
@@ -52,6 +53,7 @@ class Flaky(pb_grpc.CactusServicer):
 
     def GenerateStream(self, request, context):
         self._maybe_fail(context, request)
+        time.sleep(self.first_pause_s)
         yield pb.GenerateResponse(request_id="r", text="a", token_ids=[1])
         time.sleep(self.pause_s)
         if self.fail_mid_stream:
@@ -401,7 +403,17 @@ def test_a_stream_cancelled_through_last_call_raises_cancelled_in_both_clients(f
             await task
         except asyncio.CancelledError:
             cancelled = True
+        # cancelled before its first chunk: the same
+        servicer.first_pause_s = 2.0
+        early = asyncio.ensure_future(anext(aclient.stream("x")))
+        await asyncio.sleep(0.5)
+        aclient.last_call.cancel()
+        try:
+            await early
+        except grpc.RpcError as err:
+            before_first = err.code()
         await aclient.close()
-        return first, code, cancelled
+        return first, code, cancelled, before_first
 
-    assert asyncio.run(run()) == ("a", grpc.StatusCode.CANCELLED, True)
+    cancelled = grpc.StatusCode.CANCELLED
+    assert asyncio.run(run()) == ("a", cancelled, True, cancelled)

@@ -120,6 +120,10 @@ def test_an_unset_max_tokens_fits_the_context_the_prompt_leaves(ray_session):
     ctx = Ctx()
     asyncio.run(shim.Generate(CactusClient.request(ids, max_tokens=30), ctx))
     assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in ctx.details
+    # a default above the whole context ("all the room there is") fits it too
+    roomy = _shim(engine, sampling={"default_max_tokens": 4096})
+    asyncio.run(roomy.Generate(CactusClient.request(ids[:10]), Ctx()))
+    assert engine.seen[-1].sampling.max_tokens == 1014
 
 
 def test_the_server_request_timeout_caps_every_time_limit(ray_session):

@@ -182,9 +182,22 @@ def test_a_batch_of_prompts_is_a_choice_each(ray_session):
     ):
         reply = _raw(app, "POST", "/v1/completions", json=body)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, body
-    _, broken = _app(FakeEngine(fail=RuntimeError("boom")))
+
+    # one prompt's request fails: the response fails at once (500, with the batch's
+    # request id), and the other, still running, is cancelled in the engine
+    class OneFails(FakeEngine):
+        async def agenerate(self, req):
+            self.seen.append(req)
+            if req.request_id.endswith("-0"):
+                raise RuntimeError("boom")
+            await asyncio.sleep(60)
+
+    shim, broken = _app(OneFails())
     reply = _raw(broken, "POST", "/v1/completions", json={"prompt": ["a", "b"]})
-    assert reply.status_code == 500 and set(reply.json()["error"]) >= {"message", "type"}
+    assert reply.status_code == 500, reply.text
+    failed, running = (r.request_id for r in shim.engine.seen)
+    assert failed.rsplit("-", 1)[0] in reply.json()["error"]["message"]
+    assert shim.engine.cancelled == [running] and running.endswith("-1")
 
 
 def test_served_model_names_are_what_the_api_answers_to(ray_session):
