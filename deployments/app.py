@@ -7,7 +7,7 @@ from ray import serve
 from cactus import environment
 from configs.schema import ServeConfig, to_dict
 from deployments.drain import CUT_MARGIN_S
-from deployments.ingress import CactusIngress, group_config
+from deployments.ingress import CactusIngress, actor_resources, group_config
 
 GRPC_SERVICERS = [
     "protos.cactus.v1.cactus_pb2_grpc.add_CactusServicer_to_server",
@@ -20,10 +20,7 @@ def replica_bundles(config: ServeConfig) -> list[dict]:
     draft actor, and every verifier rank in one bundle (so on one node)."""
     from workers.group import engine_bundles
 
-    r = config.resources.replica
-    replica = {"CPU": r.num_cpus, **r.resources}
-    if r.num_gpus:
-        replica["GPU"] = r.num_gpus
+    replica = actor_resources(config.resources.replica).bundle()
     return [replica, *engine_bundles(group_config(config))]
 
 

@@ -135,10 +135,18 @@ def tokenize(
     return request
 
 
+def actor_resources(section):
+    """A config `resources.<actor>` section as the engine group's ActorResources (its
+    placement bundle: workers.group)."""
+    from workers.group import ActorResources
+
+    return ActorResources(section.num_cpus, section.num_gpus, dict(section.resources))
+
+
 def group_config(config: ServeConfig):
     """The engine's GroupConfig from the typed config: the one translation (the
     replica's placement bundles are derived from it too, deployments/app.py)."""
-    from workers.group import ActorResources, GroupConfig
+    from workers.group import GroupConfig
 
     c, r = config, config.resources
     return GroupConfig(
@@ -149,10 +157,8 @@ def group_config(config: ServeConfig):
         device=c.models.device,
         threads=r.threads_per_actor,
         shm_allreduce=c.shm_allreduce,
-        draft=ActorResources(r.draft.num_cpus, r.draft.num_gpus, dict(r.draft.resources)),
-        rank=ActorResources(
-            r.verifier_rank.num_cpus, r.verifier_rank.num_gpus, dict(r.verifier_rank.resources)
-        ),
+        draft=actor_resources(r.draft),
+        rank=actor_resources(r.verifier_rank),
         start_timeout_s=c.limits.start_timeout_s,
         max_concurrency=max(4, c.limits.max_ongoing_requests * 2, c.batching.max_num_seqs * 2),
         max_num_seqs=c.batching.max_num_seqs,

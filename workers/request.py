@@ -164,7 +164,7 @@ class RequestState:
         prompt_ids: list[int],
         *,
         seed: int,
-        eos: int | Iterable[int] | None,
+        eos: Iterable[int] | None,
         tokenizer,
         max_context: int,
         sink: Sink,
@@ -178,8 +178,7 @@ class RequestState:
         self.prompt_len = len(prompt_ids)
         self.prompt_ids = list(prompt_ids) + self.prior  # what both rows are prefilled with
         self.seed = seed
-        # the ids that end the text (EOS; several in many instruct checkpoints)
-        self.eos = frozenset(() if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.eos = frozenset(eos or ())  # the ids that end the text (the engine's set)
         self.max_context = max_context
         self.sink = sink
         self.cancelled = cancelled
