@@ -11,13 +11,16 @@ every `--gap` seconds, with ray.kill (SIGKILL of the actor's process); and `--ha
 times each, the same actors hang: SIGSTOP of the actor's process, which stays alive to
 Ray and answers nothing until the supervisor's probe (`recovery.probe_timeout_s`, 10 s
 by default) declares it dead and the engine SIGKILLs it (README: an actor that hangs).
-A poller asks grpc.health.v1 Check every 100 ms. Reported:
+A poller asks grpc.health.v1 Check for the `cactus.v1.Cactus` service (does the replica
+take requests; the server's "" also says NOT_SERVING while a draft actor is replaced)
+every 100 ms. Reported:
   - requests total / OK / resumed / degraded / failed by status code
   - tokens lost and duplicated: every greedy stream against its uninterrupted output
     (the verifier's greedy decoding, in this process), every sampled stream's chunks
     against its own final result
   - per kill: time to SERVING again (rank kills) or until the new draft actor drafts
-    again (draft kills), and whether health left SERVING (it must not for the draft)
+    again (draft kills), and whether the service's health left SERVING (it must not
+    for the draft)
   - the longest health Check
 """
 
@@ -181,7 +184,7 @@ class Chaos:
         while not self.stop.is_set():
             start = time.monotonic()
             try:
-                status = checker.health()
+                status = checker.health("cactus.v1.Cactus")
             except grpc.RpcError as err:
                 status = err.code().name
             took = time.monotonic() - start

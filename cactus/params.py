@@ -147,8 +147,11 @@ def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
             raise _invalid("prompt", f"longer than {limits.max_prompt_chars} characters")
         return
     ids = request.prompt_token_ids
-    if len(ids) > limits.max_context:
-        raise _invalid("prompt_token_ids", f"more than max context {limits.max_context} tokens")
+    if len(ids) > limits.max_context - 1:  # at least one token must still fit
+        raise _invalid(
+            "prompt_token_ids",
+            f"{len(ids)} tokens leave no room in max context {limits.max_context}",
+        )
     for tok in ids:
         if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
             raise _invalid("prompt_token_ids", f"ids must lie in [0, {limits.vocab_size})")

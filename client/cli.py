@@ -59,13 +59,20 @@ def _client_parser(sub) -> None:
     p.add_argument("--token", default=os.environ.get("CACTUS_AUTH_TOKEN"))
     p.add_argument("--rule", default="")
     p.add_argument("--delta", type=float, default=None)
-    p.add_argument("-K", "--num-speculative-tokens", type=int, default=0, dest="k")
+    p.add_argument(
+        "-K",
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        dest="k",
+        help="unset: server default",
+    )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
-        "--max-tokens", type=int, default=0, help="0: the server's sampling.default_max_tokens"
+        "--max-tokens", type=int, default=None, help="unset: sampling.default_max_tokens"
     )
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--stream", action="store_true")

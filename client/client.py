@@ -146,7 +146,7 @@ class CactusClient(_Client):
     def request(
         prompt: str | list[int],
         *,
-        max_tokens: int = 0,  # 0 (and every unset field): the server's default
+        max_tokens: int | None = None,  # None (and every unset field): the server's default
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int = 0,
@@ -155,7 +155,7 @@ class CactusClient(_Client):
         stop_token_ids: int | list[int] = (),
         rule: str = "",
         delta: float | None = None,
-        num_speculative_tokens: int = 0,
+        num_speculative_tokens: int | None = None,
         max_divergence_nats: float | None = None,
         request_id: str = "",
         time_limit_s: float = 0.0,
@@ -167,13 +167,14 @@ class CactusClient(_Client):
         else:
             msg.prompt_token_ids.ids.extend(prompt)
         s = msg.sampling
-        s.max_tokens, s.top_k = max_tokens, top_k
+        s.top_k = top_k
         # one stop string or id, as OpenAI clients accept (a str is not a list of chars)
         s.stop.extend([stop] if isinstance(stop, str) else stop)
         s.stop_token_ids.extend(
             [stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids
         )
         for name, value in (
+            ("max_tokens", max_tokens),
             ("temperature", temperature),
             ("top_p", top_p),
             ("seed", seed),
@@ -182,7 +183,9 @@ class CactusClient(_Client):
             if value is not None:
                 setattr(s, name, value)
         sp = msg.speculation
-        sp.rule, sp.num_speculative_tokens = rule, num_speculative_tokens
+        sp.rule = rule
+        if num_speculative_tokens is not None:
+            sp.num_speculative_tokens = num_speculative_tokens
         if delta is not None:
             sp.delta = delta
         if max_divergence_nats is not None:
@@ -248,11 +251,15 @@ class CactusClient(_Client):
         """The served models and limits; retried as `generate` is."""
         return self._unary(self.stub.GetModelInfo, lambda _: pb.ModelInfoRequest(), timeout)
 
-    def health(self) -> str:
+    def health(self, service: str = "") -> str:
         """The gRPC health service's status (SERVING, NOT_SERVING): a probe, one attempt,
-        never retried, so a server that is down says so at once."""
+        never retried, so a server that is down says so at once. `service` "" is the
+        whole server (drafts flowing too), "cactus.v1.Cactus" whether it takes requests
+        (README, Standard services)."""
         reply = self.health_stub.Check(
-            health_pb2.HealthCheckRequest(), timeout=self.timeout, metadata=self.metadata
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=self.timeout,
+            metadata=self.metadata,
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
@@ -328,10 +335,12 @@ class AsyncCactusClient(_Client):
         """The served models and limits; retried as `generate` is."""
         return await self._unary(self.stub.GetModelInfo, lambda _: pb.ModelInfoRequest(), timeout)
 
-    async def health(self) -> str:
+    async def health(self, service: str = "") -> str:
         """The health service's status: a probe, one attempt, never retried."""
         reply = await self.health_stub.Check(
-            health_pb2.HealthCheckRequest(), timeout=self.timeout, metadata=self.metadata
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=self.timeout,
+            metadata=self.metadata,
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 

@@ -98,7 +98,9 @@ class SpeculationConfig(_Model):
 
 class SamplingConfig(_Model):
     default_temperature: Float = doc("temperature when a request sets none", 1.0)
-    default_max_tokens: Int = doc("max_tokens when a request sets 0", 64)
+    default_max_tokens: Int = doc(
+        "max_tokens when a request sets none (shrunk to the context the prompt leaves)", 64
+    )
 
 
 class AuthConfig(_Model):

@@ -76,7 +76,7 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
     """Wire request -> GenerationRequest, unset fields filled from the config."""
     s, sp = msg.sampling, msg.speculation
     sampling = SamplingParams(
-        max_tokens=s.max_tokens or config.sampling.default_max_tokens,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else config.sampling.default_max_tokens,
         temperature=s.temperature
         if s.HasField("temperature")
         else config.sampling.default_temperature,
@@ -91,7 +91,9 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         rule=sp.rule or config.speculation.default_rule,
         delta=sp.delta if sp.HasField("delta") else config.speculation.default_delta,
         num_speculative_tokens=(
-            sp.num_speculative_tokens or config.speculation.default_num_speculative_tokens
+            sp.num_speculative_tokens
+            if sp.HasField("num_speculative_tokens")
+            else config.speculation.default_num_speculative_tokens
         ),
         max_divergence_nats=(
             sp.max_divergence_nats if sp.HasField("max_divergence_nats") else None
@@ -282,8 +284,10 @@ class CactusIngress:
         """The bearer token check of both APIs (gRPC metadata, HTTP Authorization)."""
         if not self.token:
             return
-        expected = f"Bearer {self.token}"
-        if not hmac.compare_digest(header.encode(), expected.encode()):
+        # the scheme is case-insensitive (RFC 7235: "bearer", "BEARER"); the token is not
+        scheme, _, token = header.strip().partition(" ")
+        right = hmac.compare_digest(token.strip().encode(), self.token.encode())
+        if scheme.lower() != "bearer" or not right:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
     @property
@@ -313,7 +317,7 @@ class CactusIngress:
                 to_request(msg, self.config),
                 self.tokenizer,
                 self.limits,
-                fit_max_tokens=not msg.sampling.max_tokens,
+                fit_max_tokens=not msg.sampling.HasField("max_tokens"),
             )
         except InvalidRequestError as err:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
@@ -426,28 +430,35 @@ class CactusIngress:
 
     SERVICES = ("", "cactus.v1.Cactus", "grpc.health.v1.Health")
 
-    async def _status(self) -> int:
+    async def _status(self, service: str = "") -> int:
+        """The server ("") is SERVING only while the draft actor and every verifier rank
+        answer (serving.md); the services it names are SERVING while requests are
+        served, degraded to plain decoding included (a dead draft actor being replaced)."""
         status = health_pb2.HealthCheckResponse
         if self.engine.draining:  # the application is being deleted (deployments/drain)
             return status.NOT_SERVING
-        return status.SERVING if await self.engine.ahealthy() else status.NOT_SERVING
+        if not await self.engine.ahealthy():
+            return status.NOT_SERVING
+        speculating = getattr(self.engine, "speculating", None)
+        if service == "" and speculating is not None and not speculating():
+            return status.NOT_SERVING
+        return status.SERVING
 
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1 (the grpcio-health-checking service): NOT_SERVING while the
-        engine's ranks restart. It reads the supervisor's state and answers at once; a
-        dead draft actor (being replaced, requests degraded) is still SERVING."""
+        engine's ranks restart, and for the server ("") while a dead draft actor is
+        being replaced too. It reads the supervisor's state and answers at once."""
         if request.service not in self.SERVICES:
             if grpc_context is not None:
                 grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
                 grpc_context.set_details(f"unknown service {request.service!r}")
             return health_pb2.HealthCheckResponse()
-        return health_pb2.HealthCheckResponse(status=await self._status())
+        return health_pb2.HealthCheckResponse(status=await self._status(request.service))
 
     async def List(self, request, grpc_context=None):
-        status = await self._status()
         return health_pb2.HealthListResponse(
             statuses={
-                name: health_pb2.HealthCheckResponse(status=status)
+                name: health_pb2.HealthCheckResponse(status=await self._status(name))
                 for name in self.SERVICES
                 if name
             }
@@ -465,7 +476,7 @@ class CactusIngress:
                 if draining:
                     status = health_pb2.HealthCheckResponse.NOT_SERVING
                 elif request.service in self.SERVICES:
-                    status = await self._status()
+                    status = await self._status(request.service)
                 else:
                     status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
                 if status != last:

@@ -62,25 +62,29 @@ class ServiceMetrics:
             "cactus_engine_serving", description="1 while the engine serves, 0 while it restarts"
         )
         self.requests = metrics.Counter(
-            "cactus_requests", description="finished requests", tag_keys=("finish_reason",)
+            "cactus_request_success",  # vLLM's request_success{finished_reason}
+            description="finished requests, by finish reason",
+            tag_keys=("finished_reason",),
         )
         self.prompt_tokens = metrics.Counter("cactus_prompt_tokens", description="prompt tokens")
         self.generation_tokens = metrics.Counter(
             "cactus_generation_tokens", description="generated tokens"
         )
         self.ttft = metrics.Histogram(
-            "cactus_time_to_first_token_s",
+            "cactus_time_to_first_token_seconds",
             boundaries=LATENCY_BOUNDS_S,
             description="time to first token (a stream's first chunk; a unary call's first "
             "generated token, as its latency less the engine's time after that token)",
         )
         self.itl = metrics.Histogram(
-            "cactus_inter_token_latency_s",
+            "cactus_inter_token_latency_seconds",
             boundaries=LATENCY_BOUNDS_S,
             description="time between streamed chunks",
         )
         self.e2e = metrics.Histogram(
-            "cactus_e2e_latency_s", boundaries=LATENCY_BOUNDS_S, description="request latency"
+            "cactus_e2e_request_latency_seconds",
+            boundaries=LATENCY_BOUNDS_S,
+            description="request latency",
         )
         self.running_gauge = metrics.Gauge(
             "cactus_running_requests", description="requests running on this replica"
@@ -124,7 +128,7 @@ class ServiceMetrics:
         """A request that ended without a result: CANCELLED (its client went away or
         gave up) or ERROR (a status other than OK after it was accepted)."""
         self._last.pop(request.request_id, None)
-        self.requests.inc(tags={"finish_reason": reason})
+        self.requests.inc(tags={"finished_reason": reason})
 
     def finished(self, request, result, start: float, unary: bool = False) -> None:
         """A request that ended with a result. `unary`: its tokens went out all at once,
@@ -150,7 +154,7 @@ class ServiceMetrics:
             self.degraded.inc()
         if st.resumed:
             self.resumed.inc(st.resumed)
-        self.requests.inc(tags={"finish_reason": result.finish_reason})
+        self.requests.inc(tags={"finished_reason": result.finish_reason})
         self.prompt_tokens.inc(result.prompt_tokens)
         if result.token_ids:
             self.generation_tokens.inc(len(result.token_ids))

@@ -138,7 +138,12 @@ def _number(body: dict, name: str, default, *, integer: bool = False):
         raise InvalidRequestError(name, f"must be a number, got {value!r}")
     if integer and not (isinstance(value, int) or float(value).is_integer()):
         raise InvalidRequestError(name, f"must be an integer, got {value!r}")
-    return int(value) if integer else float(value)
+    if integer:
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # a JSON integer beyond any float
+        raise InvalidRequestError(name, "must be a finite number") from None
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -664,7 +669,7 @@ def build_routes(ingress, tokenize, logger):
             ingress.authorize(http.headers.get("authorization", ""))
             try:
                 body = await http.json()
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deep
                 raise InvalidRequestError("body", "must be a JSON object") from None
             _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
             model = body.get("model")

@@ -45,7 +45,7 @@ class EngineMetrics:
             tag_keys=("rule",),
         )
         self.round_trip = metrics.Histogram(
-            "cactus_draft_round_trip_s",
+            "cactus_draft_round_trip_seconds",
             boundaries=ROUND_TRIP_BOUNDS,
             description="draft<->verifier ProposeBatch round trips, send to reply (seconds)",
         )

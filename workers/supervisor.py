@@ -65,6 +65,7 @@ class EngineSupervisor:
         self.generation = 0  # bumped by every gang restart
         self.counters: Counter = Counter()  # draft_restarts, rank_restarts, resumed, ...
         self.degraded_since: float | None = None  # the draft actor is being replaced
+        self.draft_ok = True  # the draft actor answered its last probe (or replaced it)
         self.last_recovery_s: float | None = None
         self._ready: asyncio.Event | None = None
         self._monitor: asyncio.Task | None = None
@@ -100,6 +101,8 @@ class EngineSupervisor:
                 continue
             generation = self.generation
             ranks_ok, draft_ok = await self._probe()
+            if self._replacing_draft is None:
+                self.draft_ok = draft_ok
             if not ranks_ok:
                 self.engine_failed(generation, "a verifier rank does not answer")
             elif not draft_ok and self._replacing_draft is None:
@@ -131,6 +134,7 @@ class EngineSupervisor:
             for attempt in range(self.config.restart_attempts):
                 try:
                     await asyncio.to_thread(self.group.replace_draft)
+                    self.draft_ok = True
                     logger.warning(
                         "draft actor replaced in %.1f s", time.monotonic() - self.degraded_since
                     )
@@ -195,9 +199,16 @@ class EngineSupervisor:
 
     async def ahealthy(self, timeout_s: float = 1.0) -> bool:
         """SERVING unless the ranks are being restarted (or could not be): never calls
-        an actor, so it answers at once. A dead draft actor leaves it True."""
+        an actor, so it answers at once. A dead draft actor leaves it True (requests go
+        on by plain decoding); `speculating` tells that case."""
         self._ensure_started()
         return self.state == SERVING
+
+    def speculating(self) -> bool:
+        """The draft actor answered the last probe, or a new one has taken over since
+        one did not: False from a failed draft probe until its replacement is up (the
+        health service's "" is NOT_SERVING meanwhile, serving.md)."""
+        return self.draft_ok and self._replacing_draft is None
 
     def alive(self) -> bool:
         """False once recovery gave up: Serve then replaces the replica."""

@@ -93,6 +93,13 @@ def test_context_checks_need_the_prompt_length():
     with pytest.raises(InvalidRequestError) as err:
         validate_request(GOOD, LIMITS, prompt_len=1024)
     assert err.value.field == "prompt"
+    # a request that came with ids is told about the field it sent
+    for n in (1024, 1025):
+        ids = replace(GOOD, prompt=None, prompt_token_ids=(1,) * n)
+        with pytest.raises(InvalidRequestError, match="no room in max context 1024") as err:
+            validate_request(ids, LIMITS)
+        assert err.value.field == "prompt_token_ids"
+    validate_request(replace(GOOD, prompt=None, prompt_token_ids=(1,) * 1023), LIMITS)
 
 
 def test_a_text_prompt_over_max_prompt_chars_is_refused_by_name():

@@ -124,6 +124,13 @@ def test_an_unset_max_tokens_fits_the_context_the_prompt_leaves(ray_session):
     roomy = _shim(engine, sampling={"default_max_tokens": 4096})
     asyncio.run(roomy.Generate(CactusClient.request(ids[:10]), Ctx()))
     assert engine.seen[-1].sampling.max_tokens == 1014
+    # a sent 0 is not "unset" (both fields are proto3 optional): serving.md's >= 1
+    for field in ("max_tokens", "num_speculative_tokens"):
+        msg = CactusClient.request(ids[:10], **{field: 0})
+        assert msg.sampling.HasField("max_tokens") == (field == "max_tokens")
+        ctx = Ctx()
+        asyncio.run(shim.Generate(msg, ctx))
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(field)
 
 
 def test_the_server_request_timeout_caps_every_time_limit(ray_session):
@@ -198,13 +205,15 @@ def test_stream_closed_early_cancels_the_engine_request(ray_session):
 
 def test_auth_and_health(ray_session):
     shim = _shim(FakeEngine(), auth={"token": "t0k"})
-    for metadata in ((), (("authorization", "Bearer nope"),)):
-        ctx = Ctx(metadata)
+    for header in (None, "Bearer nope", "t0k", "Basic t0k", "Bearer t0k0", "Bearer T0K"):
+        ctx = Ctx((("authorization", header),) if header is not None else ())
         asyncio.run(shim.Generate(CactusClient.request("x"), ctx))
-        assert ctx.code == grpc.StatusCode.UNAUTHENTICATED
-    ctx = Ctx((("authorization", "Bearer t0k"),))
-    assert asyncio.run(shim.Generate(CactusClient.request("x"), ctx)).text == "abc"
-    assert ctx.code is None
+        assert ctx.code == grpc.StatusCode.UNAUTHENTICATED, header
+    # the scheme is case-insensitive (RFC 7235), the token is not
+    for header in ("Bearer t0k", "bearer t0k", "BEARER  t0k "):
+        ctx = Ctx((("authorization", header),))
+        assert asyncio.run(shim.Generate(CactusClient.request("x"), ctx)).text == "abc"
+        assert ctx.code is None, header
     assert asyncio.run(shim.Check(health_pb2.HealthCheckRequest(), ctx)).status == 1  # SERVING
     # the health service stays open to probes that send no token (load balancers,
     # Kubernetes gRPC probes), while the Cactus RPCs above need one
@@ -228,6 +237,34 @@ def test_watch_sends_the_status_and_service_unknown_for_an_unknown_service(ray_s
     sick = _shim(FakeEngine(fail=RuntimeError("down")))
     assert asyncio.run(first(sick, "")) == status.NOT_SERVING
     assert asyncio.run(first(_shim(FakeEngine()), "no.such.Service")) == status.SERVICE_UNKNOWN
+
+
+def test_a_replaced_draft_actor_leaves_the_server_not_serving_and_the_service_serving(
+    ray_session,
+):
+    """serving.md: the server ("") is SERVING only when the draft actor and every rank
+    answer; the Cactus service still takes requests, degraded to plain decoding."""
+    engine = FakeEngine()
+    engine.speculating = lambda: engine.drafts
+    shim = _shim(engine)
+    status = health_pb2.HealthCheckResponse
+
+    def check(service):
+        return asyncio.run(shim.Check(health_pb2.HealthCheckRequest(service=service), Ctx()))
+
+    for drafts, server in ((True, status.SERVING), (False, status.NOT_SERVING)):
+        engine.drafts = drafts
+        assert check("").status == server
+        assert check("cactus.v1.Cactus").status == status.SERVING
+        assert check("grpc.health.v1.Health").status == status.SERVING
+        listed = asyncio.run(shim.List(health_pb2.HealthListRequest(), Ctx())).statuses
+        assert {n: s.status for n, s in listed.items()} == {
+            "cactus.v1.Cactus": status.SERVING,
+            "grpc.health.v1.Health": status.SERVING,
+        }
+    # a restarting engine is NOT_SERVING for every name
+    engine.fail, engine.drafts = RuntimeError("down"), True
+    assert check("").status == check("cactus.v1.Cactus").status == status.NOT_SERVING
 
 
 def test_the_replica_reserves_each_engine_actor_once():
@@ -352,7 +389,7 @@ def test_latency_bookkeeping_stays_bounded_when_clients_go_away(ray_session):
 
 
 def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
-    """`cactus_requests{finish_reason}` counts every accepted request: LENGTH etc. when
+    """`cactus_request_success{finished_reason}` counts every accepted request: LENGTH etc. when
     it finishes, ERROR when it fails, CANCELLED when its client leaves; a request
     refused by validation is not one."""
     from types import SimpleNamespace
@@ -360,7 +397,9 @@ def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
     def counted(engine, run) -> list[str]:
         shim = _shim(engine)
         seen: list[str] = []
-        shim.metrics.requests = SimpleNamespace(inc=lambda tags: seen.append(tags["finish_reason"]))
+        shim.metrics.requests = SimpleNamespace(
+            inc=lambda tags: seen.append(tags["finished_reason"])
+        )
         asyncio.run(run(shim))
         return seen
 

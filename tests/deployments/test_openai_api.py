@@ -321,6 +321,11 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),
         ({"prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
         ({"prompt": "x", "time_limit_s": -1}, 400, "time_limit_s"),
+        # integers beyond any float (float() raises OverflowError): a 400, not a 500
+        ({"prompt": "x", "temperature": 10**400}, 400, "temperature"),
+        ({"prompt": "x", "top_p": -(10**400)}, 400, "top_p"),
+        ({"prompt": "x", "delta": 10**400}, 400, "delta"),
+        ({"prompt": "x", "time_limit_s": 10**400}, 400, "time_limit_s"),
     ],
 )
 def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param):
@@ -571,3 +576,17 @@ def test_configured_temperature_and_k_fill_unset_http_fields(ray_session):
         assert reply.status_code == 200, reply.text
         req = shim.engine.seen[-1]
         assert req.sampling.temperature == 0.0 and req.speculation.num_speculative_tokens == 2
+
+
+def test_json_nested_too_deep_is_a_400_naming_the_body(ray_session):
+    """Python's json parser raises RecursionError, not ValueError, on deep nesting."""
+    _, app = _app()
+    reply = _raw(
+        app,
+        "POST",
+        "/v1/completions",
+        content=b"[" * 100_000 + b"]" * 100_000,
+        headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "body"

@@ -314,6 +314,7 @@ BAD = [
     ("prompt", {"prompt": ""}),
     ("prompt_token_ids", {"prompt": [10**7]}),
     ("max_tokens", {"max_tokens": 10**6}),
+    ("max_tokens", {"max_tokens": 0}),  # sent (proto3 optional): refused, not the default
     ("temperature", {"temperature": math.nan}),
     ("temperature", {"temperature": math.inf}),
     ("temperature", {"temperature": -0.5}),
@@ -330,6 +331,7 @@ BAD = [
     ("delta", {"delta": math.nan}),
     ("delta", {"delta": 4.5}),
     ("num_speculative_tokens", {"num_speculative_tokens": 9}),
+    ("num_speculative_tokens", {"num_speculative_tokens": 0}),
     ("max_divergence_nats", {"max_divergence_nats": -0.1}),
     ("max_divergence_nats", {"max_divergence_nats": math.inf}),
     ("time_limit_s", {"time_limit_s": -1.0}),
@@ -348,6 +350,21 @@ def test_validation_table_then_a_good_request(server):
             assert "Traceback" not in err.value.details()
     good = client.generate("def f(x):", max_tokens=4)
     assert len(good.token_ids) == 4
+    # every bound is inclusive where serving.md says so: each limit itself is accepted
+    info = client.model_info()
+    edge = client.generate(
+        "def f(x):",
+        max_tokens=3,
+        temperature=2.0,
+        top_p=1.0,
+        top_k=info.vocab_size,
+        seed=2**64 - 1,
+        rule="cactus",
+        delta=info.delta_ceiling,
+        num_speculative_tokens=info.max_num_speculative_tokens,
+        max_divergence_nats=0.0,
+    )
+    assert len(edge.token_ids) == 3 and edge.seed == 2**64 - 1
 
 
 def test_auth_is_required_on_every_rpc(server):
@@ -879,9 +896,11 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     """Runs last on the module's server. One greedy stream (the other slot of the
     replica is for health Checks) outlives a draft kill and a follower-rank kill: it
     ends OK, equal to the uninterrupted output, with no token lost or repeated; health
-    answers every poll within 1 s, SERVING throughout the draft kill, NOT_SERVING and
-    back during the rank restart. Between the kills, the replacement draft actor drafts
-    for the running stream: it speculates again (README)."""
+    answers every poll within 1 s; the Cactus service is SERVING throughout the draft
+    kill while the server ("") says NOT_SERVING until the new draft actor is up
+    (serving.md); both go NOT_SERVING and back during the rank restart. Between the
+    kills, the replacement draft actor drafts for the running stream: it speculates
+    again (README)."""
     client = server.client()
     prompt = heldout_prompts[9]
     kw = {"max_tokens": 700, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
@@ -894,18 +913,23 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
         except grpc.RpcError as err:
             failure.append(err)
 
-    health: list[tuple[str, float, float]] = []
+    health: list[tuple[str, float, float]] = []  # the Cactus service's
+    whole: list[tuple[str, float]] = []  # the server's (""), polled in turn
     stop = threading.Event()
 
     def poll():
         checker = server.client()
         while not stop.is_set():
-            start = time.monotonic()
-            try:
-                status = checker.health()
-            except grpc.RpcError as err:
-                status = err.code().name
-            health.append((status, time.monotonic() - start, start))
+            for service, record in (("cactus.v1.Cactus", health), ("", whole)):
+                start = time.monotonic()
+                try:
+                    status = checker.health(service)
+                except grpc.RpcError as err:
+                    status = err.code().name
+                if service:
+                    record.append((status, time.monotonic() - start, start))
+                else:
+                    record.append((status, start))
             time.sleep(0.1)
 
     reader = threading.Thread(target=consume)
@@ -966,6 +990,12 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     )
     during_draft = [s for s, _, at in health if draft_killed <= at < rank_killed]
     assert during_draft and set(during_draft) == {"SERVING"}, during_draft
+    # the server: NOT_SERVING once the probe found the draft actor gone, SERVING again
+    # by the time the new one drafted (`drafting_again` after the kill)
+    server_draft = [(s, at - draft_killed) for s, at in whole if draft_killed <= at < rank_killed]
+    down = [t for s, t in server_draft if s == "NOT_SERVING"]
+    assert down and {s for s, _ in server_draft} <= {"SERVING", "NOT_SERVING"}, server_draft
+    assert [s for s, t in server_draft if t > drafting_again][-1:] == ["SERVING"], server_draft
     after_rank = [(s, at) for s, _, at in health if at >= rank_killed]
     assert {s for s, _ in after_rank} <= {"SERVING", "NOT_SERVING"}, after_rank
     # back within 60 s: the first SERVING after the last NOT_SERVING (the polls go on
@@ -989,17 +1019,17 @@ DOCUMENTED_METRICS = [
     "cactus_resumed_requests",
     "cactus_engine_restarts",
     "cactus_engine_serving",
-    "cactus_requests",
+    "cactus_request_success",
     "cactus_prompt_tokens",
     "cactus_generation_tokens",
-    "cactus_time_to_first_token_s",
-    "cactus_inter_token_latency_s",
-    "cactus_e2e_latency_s",
+    "cactus_time_to_first_token_seconds",
+    "cactus_inter_token_latency_seconds",
+    "cactus_e2e_request_latency_seconds",
     "cactus_running_requests",
     "cactus_num_requests_running",
     "cactus_num_requests_waiting",
     "cactus_batch_size",
-    "cactus_draft_round_trip_s",
+    "cactus_draft_round_trip_seconds",
     "cactus_spec_chosen_k",
     "cactus_spec_predicted_tokens",
     "cactus_cancelled_requests",
@@ -1014,6 +1044,7 @@ class Samples(dict):
     """name -> value; `labels`: metric name -> the label names seen on its samples."""
 
     labels: dict[str, set[str]]
+    types: dict[str, str]
 
 
 def _scrape(server) -> Samples:
@@ -1025,7 +1056,11 @@ def _scrape(server) -> Samples:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     samples = Samples()
     samples.labels = {}
+    samples.types = {}  # "# TYPE ray_cactus_x counter" (the family name, no _total)
     for line in text.splitlines():
+        if line.startswith("# TYPE ray_cactus_"):
+            _, _, family, kind = line.split()
+            samples.types[family.removesuffix("_total")] = kind
         if not line.startswith("ray_cactus_"):
             continue
         name_labels, value = line.rsplit(" ", 1)
@@ -1034,7 +1069,7 @@ def _scrape(server) -> Samples:
         position = re.search(r'position="(\d+)"', name_labels)
         if position:
             name = f"{name}[{position.group(1)}]"
-        reason = re.search(r'(?:finish_reason|actor)="(\w+)"', name_labels)
+        reason = re.search(r'(?:finished_reason|actor)="(\w+)"', name_labels)
         if reason:  # also kept per finish reason (or restarted actor): name{REASON}
             key = f"{name}{{{reason.group(1)}}}"
             samples[key] = samples.get(key, 0.0) + float(value)
@@ -1085,8 +1120,8 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
     ]
     assert per_pos and all(a >= b for a, b in itertools.pairwise(per_pos)), per_pos
     assert sum(per_pos) == accepted
-    requests = total("cactus_requests")
-    ttft = samples["ray_cactus_time_to_first_token_s_count"]
+    requests = total("cactus_request_success")
+    ttft = samples["ray_cactus_time_to_first_token_seconds_count"]
     assert 3 <= ttft <= requests  # every streamed request with a token, no more
     # requests that ended without a result are counted by outcome (the cancel tests
     # above: a gRPC stream, a unary call past its deadline, two HTTP clients)
@@ -1094,13 +1129,13 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
         r: sum(
             v
             for k, v in samples.items()
-            if k.startswith("ray_cactus_requests") and k.endswith(f"{{{r}}}")
+            if k.startswith("ray_cactus_request_success") and k.endswith(f"{{{r}}}")
         )
         for r in ("CANCELLED", "ERROR")
     }
     assert unfinished["CANCELLED"] >= 4, unfinished
     finished = requests - sum(unfinished.values())
-    assert samples["ray_cactus_e2e_latency_s_count"] == finished
+    assert samples["ray_cactus_e2e_request_latency_seconds_count"] == finished
     assert total("cactus_generation_tokens") >= 3 * 16
     # the work of requests cancelled before a result (rank 0's counters, by rule)
     assert total("cactus_cancelled_requests") >= 1
@@ -1117,8 +1152,8 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
         )
         assert restarts >= 1, (actor, {k: v for k, v in samples.items() if "restarts" in k})
     assert total("cactus_engine_serving") == 1
-    trips = samples["ray_cactus_draft_round_trip_s_count"]  # one per ProposeBatch
-    assert trips >= 1 and 0 < samples["ray_cactus_draft_round_trip_s_sum"] / trips < 5.0
+    trips = samples["ray_cactus_draft_round_trip_seconds_count"]  # one per ProposeBatch
+    assert trips >= 1 and 0 < samples["ray_cactus_draft_round_trip_seconds_sum"] / trips < 5.0
     # the speculation policy: every decode row counted once, with the k it chose; the
     # predicted tokens are the same order as the realised ones (the bench measures how
     # close: benchmarks/bench_policy.py)
@@ -1128,7 +1163,11 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
     assert rows <= realised <= rows * 9
     assert 0.5 < total("cactus_spec_predicted_tokens") / realised < 2.0
     # README: counters get Ray's `_total`, and the labels it names are on the series
-    for counter in ("cactus_spec_decode_num_drafts", "cactus_requests", "cactus_draft_failures"):
+    for counter in (
+        "cactus_spec_decode_num_drafts",
+        "cactus_request_success",
+        "cactus_draft_failures",
+    ):
         assert f"ray_{counter}_total" in samples.labels, sorted(samples.labels)
     ruled = re.compile(r"ray_cactus_(spec_|divergence|cancelled_)")
     by_rule = [n for n in samples.labels if ruled.match(n)]
@@ -1138,7 +1177,37 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
     chosen = [n for n in samples.labels if n.startswith("ray_cactus_spec_chosen_k")]
     assert chosen and all({"rule", "k"} <= samples.labels[n] for n in chosen), chosen
     assert "position" in samples.labels["ray_cactus_spec_decode_num_accepted_tokens_per_pos_total"]
-    assert "finish_reason" in samples.labels["ray_cactus_requests_total"]
+    assert "finished_reason" in samples.labels["ray_cactus_request_success_total"]
+    # each series has the Prometheus type the README gives it (serving.md's list)
+    kinds = {
+        "counter": [
+            "cactus_spec_decode_num_drafts",
+            "cactus_spec_decode_num_accepted_tokens_per_pos",
+            "cactus_divergence_nats",
+            "cactus_request_success",
+            "cactus_prompt_tokens",
+            "cactus_generation_tokens",
+        ],
+        "histogram": [
+            "cactus_time_to_first_token_seconds",
+            "cactus_inter_token_latency_seconds",
+            "cactus_e2e_request_latency_seconds",
+            "cactus_draft_round_trip_seconds",
+            "cactus_batch_size",
+        ],
+        "gauge": [
+            "cactus_running_requests",
+            "cactus_num_requests_running",
+            "cactus_num_requests_waiting",
+            "cactus_engine_serving",
+        ],
+    }
+    for kind, names in kinds.items():
+        for name in names:
+            assert samples.types.get(f"ray_{name}") == kind, (
+                name,
+                samples.types.get(f"ray_{name}"),
+            )
     assert "actor" in samples.labels["ray_cactus_engine_restarts_total"]
 
 

@@ -142,10 +142,18 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
         while not all(chunks):
             await asyncio.sleep(0.01)
         old = group.draft
+        assert sup.speculating()
         killed = time.monotonic()
         ray.kill(old)
+        speculating: list[tuple[float, bool]] = []  # the whole server's health ("")
         while group.draft is old or group.draft is None:
+            speculating.append((time.monotonic() - killed, sup.speculating()))
             await asyncio.sleep(0.05)
+        while not sup.speculating() and time.monotonic() - killed < 60:
+            await asyncio.sleep(0.05)
+        # not speculating from a failed probe until the new draft actor is up, then again
+        assert not all(s for _, s in speculating), speculating
+        assert sup.speculating(), "still not speculating 60 s after the kill"
         while not ray.get(group.draft.status.remote())["blocks_proposed"]:
             assert not all(t.done() for t in tasks), "the requests ended before re-speculating"
             await asyncio.sleep(0.05)
@@ -157,7 +165,8 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
 
     try:
         chunks, health, respeculating_s = asyncio.run(scenario())
-        assert all(ok for ok, _, _ in health)  # SERVING throughout: degraded, not down
+        # taking requests throughout: degraded, not down (`cactus.v1.Cactus` SERVING)
+        assert all(ok for ok, _, _ in health)
         assert max(took for _, took, _ in health) < 1.0
         assert respeculating_s < 30.0, respeculating_s  # reported figure: see the chaos bench
         _check_streams(reqs, chunks, embedded_engine)
