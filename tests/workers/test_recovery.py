@@ -145,15 +145,18 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
         assert sup.speculating()
         killed = time.monotonic()
         ray.kill(old)
-        speculating: list[tuple[float, bool]] = []  # the whole server's health ("")
-        while group.draft is old or group.draft is None:
-            speculating.append((time.monotonic() - killed, sup.speculating()))
+        # the whole server's health (""): not speculating from the probe that finds the
+        # draft actor gone until the new one is up, then again
+        speculating: list[tuple[float, bool]] = []
+        while time.monotonic() - killed < 60:
+            now = sup.speculating()
+            speculating.append((round(time.monotonic() - killed, 2), now))
+            if now and not all(s for _, s in speculating):
+                break
             await asyncio.sleep(0.05)
-        while not sup.speculating() and time.monotonic() - killed < 60:
-            await asyncio.sleep(0.05)
-        # not speculating from a failed probe until the new draft actor is up, then again
         assert not all(s for _, s in speculating), speculating
-        assert sup.speculating(), "still not speculating 60 s after the kill"
+        assert speculating[-1][1], ("still not speculating 60 s after the kill", speculating)
+        assert group.draft is not old
         while not ray.get(group.draft.status.remote())["blocks_proposed"]:
             assert not all(t.done() for t in tasks), "the requests ended before re-speculating"
             await asyncio.sleep(0.05)
