@@ -31,7 +31,15 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 400) -> PreTrainedTokenizer
     return fast
 
 
-def tiny_config(family: str, vocab_size: int, eos_id: int, *, layers: int = 2, hidden: int = 32):
+def tiny_config(
+    family: str,
+    vocab_size: int,
+    eos_id: int,
+    *,
+    layers: int = 2,
+    hidden: int = 32,
+    max_position_embeddings: int = 256,
+):
     return AutoConfig.for_model(
         family,
         vocab_size=vocab_size,
@@ -41,7 +49,7 @@ def tiny_config(family: str, vocab_size: int, eos_id: int, *, layers: int = 2, h
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=eos_id,
         bos_token_id=eos_id,
         pad_token_id=eos_id,
@@ -57,10 +65,16 @@ def build_tiny(
     seed: int,
     layers: int = 2,
     hidden: int = 32,
+    max_position_embeddings: int = 256,
 ) -> Path:
     torch.manual_seed(seed)
     config = tiny_config(
-        family, len(tokenizer), tokenizer.eos_token_id, layers=layers, hidden=hidden
+        family,
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        layers=layers,
+        hidden=hidden,
+        max_position_embeddings=max_position_embeddings,
     )
     model = AutoModelForCausalLM.from_config(config).float()
     model.save_pretrained(out_dir)

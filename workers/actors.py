@@ -108,9 +108,17 @@ class DraftActor:
             self.server = None
 
 
-@ray.remote
+# Requests hold a thread of the default group (max_concurrency) for as long as they
+# run; the supervisor's probe, cancels and the ingress's load questions must never queue
+# behind them (a probe that times out restarts the whole group), so they have their own.
+CONTROL = "control"
+
+
+@ray.remote(concurrency_groups={CONTROL: 8})
 class VerifierRank:
-    """One tensor-parallel verifier rank. Rank 0 also runs the engine for its callers."""
+    """One tensor-parallel verifier rank. Rank 0 also runs the engine for its callers;
+    `generate`, `stream`, `follow` and `logits` run in the default concurrency group,
+    every short control call in its own (CONTROL)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -157,6 +165,7 @@ class VerifierRank:
         self.whereabouts = _whereabouts()
         return {**self.status(), "vocab_size": self.runner.vocab_size}
 
+    @ray.method(concurrency_group=CONTROL)
     def status(self) -> dict:
         return {"rank": self.rank, **self.whereabouts, "threads": _threads()}
 
@@ -200,6 +209,7 @@ class VerifierRank:
         self.metrics = EngineMetrics()
         self.loop = EngineLoop(self.engine, on_step=self.metrics.record)
 
+    @ray.method(concurrency_group=CONTROL)
     def attach_draft(self, draft_address: str) -> int:
         """Rank 0: switch to a new draft actor (the old one died); the engine re-opens
         the draft sessions of its requests there. Returns how many it re-opened."""
@@ -213,6 +223,7 @@ class VerifierRank:
         old.close()
         return reopened
 
+    @ray.method(concurrency_group=CONTROL)
     def model_info(self) -> dict:
         r = self.runner
         return {
@@ -234,6 +245,7 @@ class VerifierRank:
             except RequestCancelledError:
                 return
 
+    @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> None:
         """Stop a running request at its next step (no-op for an unknown id)."""
         flag = self._cancel_flags.get(request_id)
@@ -263,6 +275,7 @@ class VerifierRank:
         finally:
             self.mirror.release(seq)
 
+    @ray.method(concurrency_group=CONTROL)
     def timings(self) -> dict:
         return {
             "broadcast_s": self.mirror.broadcast_s,
@@ -275,20 +288,25 @@ class VerifierRank:
             "policy": self.engine.policy.describe(),
         }
 
+    @ray.method(concurrency_group=CONTROL)
     def load(self) -> dict:
         """Running and waiting requests of the engine (the ingress exports them)."""
         sched = self.engine.scheduler
         return {"running": sched.num_rows, "waiting": len(sched.waiting)}
 
+    @ray.method(concurrency_group=CONTROL)
     def cache_count(self) -> int:
         return self.runner.num_sequences
 
+    @ray.method(concurrency_group=CONTROL)
     def ping(self) -> int:
         return self.rank
 
+    @ray.method(concurrency_group=CONTROL)
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    @ray.method(concurrency_group=CONTROL)
     def shutdown(self) -> list[str]:
         from workers.tp_verifier import shutdown_rank
 

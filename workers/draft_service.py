@@ -200,6 +200,7 @@ class DraftServicer(pb_grpc.SpeculationServicer):
             open_sessions=len(self.sessions),
             cached_sequences=self.drafter.runner.num_sequences,
             blocks_proposed=self.blocks_proposed,
+            max_context=self.drafter.runner.max_context,
         )
 
     async def expire_leases(self, period_s: float = 1.0) -> None:

@@ -491,6 +491,17 @@ class SpeculativeEngine:
 
     def _open_draft(self, state: RequestState) -> None:
         context = state.prompt_ids + state.generated
+        state.draft_max_context = getattr(self.drafter, "max_context", None)
+        if state.draft_max_context is not None and len(context) >= state.draft_max_context - 1:
+            # beyond the draft model's context: plain decoding, by design, not a failure
+            log.info(
+                "request %s decodes without drafts: %d tokens fill the draft model's context %d",
+                state.id,
+                len(context),
+                state.draft_max_context,
+            )
+            state.drafting = False
+            return
         try:
             self.drafter.start(state.id, context, state.request.sampling, state.draft_seed)
         except DRAFTER_FAILURES as err:

@@ -23,6 +23,7 @@ run without drafts).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -36,6 +37,8 @@ from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from workers.interfaces import DraftBlock, ProposeRow
 from workers.wire import decode_block, status_code
+
+log = logging.getLogger("cactus.engine")
 
 
 @contextlib.contextmanager
@@ -97,6 +100,17 @@ class GrpcDrafter:
         self.prefetched_batches = 0  # of which sent ahead, at the end of a step
         self.pipeline = True  # send the next step's ProposeBatch at the end of a step
         self._prefetch: tuple | None = None  # (rows, future, sent_at): a batch on its way
+        self.max_context = self._draft_context()
+
+    def _draft_context(self) -> int | None:
+        """The draft model's context, from the draft actor (None if it does not say: the
+        engine then caps drafting by the verifier's context alone)."""
+        try:
+            reply = self._stub.Status(pb.StatusRequest(), timeout=min(5.0, self.timeout_s))
+        except grpc.RpcError as err:
+            log.warning("draft actor %s: no Status (%s)", self.address, err.code().name)
+            return None
+        return reply.max_context or None
 
     def _call(self, method, msg):
         """A blocking call; transport failures mapped to the engine's errors."""
@@ -174,7 +188,7 @@ class GrpcDrafter:
             if session is None or not self._open_now(session):
                 continue  # not open yet: proposed at the next step, blocking
             msgs.append(self._propose_request(row.request_id, session, row.k))
-            sent.append(row)
+            sent.append((row, session))
         if msgs:
             future = self._send(self._stub.ProposeBatch, pb.ProposeBatchRequest(rows=msgs))
             self._prefetch = (sent, future, time.perf_counter())
@@ -195,15 +209,19 @@ class GrpcDrafter:
             self.remote_draft_s += reply.draft_s
             if len(reply.rows) != len(sent):
                 reply, failure = None, WorkerUnavailableError("draft actor: short reply")
-        where = {row.request_id: i for i, row in enumerate(sent)}
+        where = {row.request_id: i for i, (row, _) in enumerate(sent)}
         for i, row in enumerate(rows):
             j = where.get(row.request_id)
-            if j is None or row.request_id not in self._sessions:
+            # the session it was drafted for: a request released since, whose id a new
+            # request took, opened a new session, which the old block must not reach
+            if j is None or self._sessions.get(row.request_id) is not sent[j][1]:
                 continue
             if reply is None:
                 out[i] = failure
-            elif sent[j].k != row.k:
-                out[i] = StaleBlockError(f"{row.request_id}: prefetched {sent[j].k}, asked {row.k}")
+            elif sent[j][0].k != row.k:
+                out[i] = StaleBlockError(
+                    f"{row.request_id}: prefetched {sent[j][0].k}, asked {row.k}"
+                )
             else:
                 out[i] = self._row(row, reply.rows[j])
 

@@ -40,6 +40,10 @@ class ProposeRow:
 
 
 class Drafter(Protocol):
+    # The draft model's context (None: unknown). The engine drafts no row past it (a
+    # pair whose draft has a shorter context than the verifier, say 2k against 32k).
+    max_context: int | None
+
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:

@@ -37,6 +37,7 @@ class LocalDrafter:
 
     def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
+        self.max_context = runner.max_context
         self._reqs: dict[str, _Request] = {}
 
     @property

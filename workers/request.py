@@ -180,6 +180,7 @@ class RequestState:
         self.seed = seed
         self.eos = frozenset(eos or ())  # the ids that end the text (the engine's set)
         self.max_context = max_context
+        self.draft_max_context: int | None = None  # the drafter's, set when it opens
         self.sink = sink
         self.cancelled = cancelled
         self.generator = torch.Generator().manual_seed(seed ^ VERIFY_SEED_SALT)
@@ -245,7 +246,10 @@ class RequestState:
             return 0
         k = self.request.speculation.num_speculative_tokens
         left = self.request.sampling.max_tokens - self.num_generated
-        room = self.max_context - self.committed
+        context = self.max_context
+        if self.draft_max_context is not None:  # a draft model with a shorter context
+            context = min(context, self.draft_max_context)
+        room = context - self.committed
         return max(0, min(k, left - 1, room - 1))
 
     def timed_out(self) -> bool:

@@ -261,3 +261,42 @@ def test_dead_drafter_degrades_every_row_without_losing_a_token(embedded_engine,
         assert [t for c in out[r.request_id] for t in c.token_ids] == list(got.token_ids)
         assert got.stats.draft_failures == 1 and got.stats.num_drafts == 3
     assert embedded_engine.drafter.runner.num_sequences == 0
+
+
+def test_a_draft_model_with_a_shorter_context_caps_drafting_not_the_requests(
+    tiny_checkpoints, tiny_tokenizer, tmp_path
+):
+    """A pair whose draft model has a shorter context than the verifier (64 against 256
+    positions here): a prompt beyond the draft's context decodes without drafts, a row
+    that grows past it stops drafting there, and neither fails nor counts as a draft
+    failure; every greedy output stays the verifier's. Before, the draft model's own
+    context check raised inside the step and ended every request of the batch."""
+    from tests.tiny_models import build_tiny
+
+    short = build_tiny(
+        tmp_path / "short", "qwen2", tiny_tokenizer, seed=5, max_position_embeddings=64
+    )
+    engine = local_engine(str(tiny_checkpoints["llama"]), str(short))
+    assert engine.drafter.max_context == 64 and engine.verifier.max_context == 256
+
+    def req(rid, n, max_tokens, rule="cactus"):
+        return GenerationRequest(
+            prompt_token_ids=tuple(5 + (i * 7) % 300 for i in range(n)),
+            request_id=rid,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            speculation=SpeculationParams(rule=rule, delta=1.0, num_speculative_tokens=4),
+        )
+
+    reqs = [req("beyond", 100, 30, "sps"), req("crosses", 40, 60), req("short", 10, 20)]
+    out = _run_together(engine, reqs)
+    for r in reqs:
+        got = _result(out[r.request_id])
+        want = engine.generate(
+            replace(r, request_id=f"ref-{r.request_id}", speculation=SpeculationParams(rule="none"))
+        )
+        assert got.token_ids == want.token_ids, r.request_id
+        assert got.stats.draft_failures == 0 and not got.stats.degraded, r.request_id
+    stats = {r.request_id: _result(out[r.request_id]).stats for r in reqs}
+    assert stats["beyond"].num_draft_tokens == 0
+    assert 0 < stats["crosses"].num_draft_tokens < 4 * 60
+    assert stats["short"].num_draft_tokens > 0

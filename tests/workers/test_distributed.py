@@ -236,6 +236,47 @@ def test_cancelling_one_stream_leaves_the_batch_alone(groups, embedded_engine, h
     assert _settled_counts(group) == {"draft": 0, "draft_sessions": 0, "rank0": 0}
 
 
+def test_control_calls_never_wait_behind_requests_that_hold_every_thread(
+    ray_session, heldout_prompts
+):
+    """Rank 0's requests hold a thread each for as long as they run (max_concurrency);
+    the supervisor's probe (ping), cancels and load questions have their own concurrency
+    group, so a rank whose request threads are all taken still answers at once (before,
+    a probe timed out there and the whole group was restarted)."""
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(
+        GroupConfig(
+            verifier,
+            draft,
+            tp_size=1,
+            max_concurrency=2,
+            max_num_seqs=1,
+            speculation_policy="fixed",
+        )
+    ).start()
+    try:
+        kw = {"rule": "none", "temperature": 0.0, "max_tokens": 900}
+        holds = [
+            group.rank0.generate.remote(_req(heldout_prompts[i], f"hold{i}", **kw))
+            for i in range(3)
+        ]
+        deadline = time.monotonic() + 60
+        while ray.get(group.rank0.load.remote()) != {"running": 1, "waiting": 1}:
+            assert time.monotonic() < deadline, ray.get(group.rank0.load.remote())
+            time.sleep(0.05)
+        start = time.monotonic()
+        assert ray.get(group.rank0.ping.remote(), timeout=30) == 0
+        took = time.monotonic() - start
+        assert not ray.wait(holds, timeout=0)[0], "a held request ended: nothing was tested"
+        assert took < 2.0, took
+        for i in range(3):
+            ray.get(group.rank0.cancel.remote(f"hold{i}"), timeout=5)
+        ready, _ = ray.wait(holds[:2], num_returns=2, timeout=20)
+        assert len(ready) == 2  # the running and the waiting one, cancelled at once
+    finally:
+        group.shutdown()
+
+
 def test_dead_draft_actor_degrades_every_running_request(
     ray_session, embedded_engine, heldout_prompts
 ):

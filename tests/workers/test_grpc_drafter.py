@@ -72,3 +72,32 @@ def test_a_close_reaches_the_draft_side_before_the_open_that_takes_its_row(draft
         assert set(servicer.sessions) == {"b", "c"}
     finally:
         drafter.close()
+
+
+def test_a_prefetched_block_never_reaches_a_new_request_that_took_its_id(draft_server):
+    """A request is prefetched, then released before the next step (cancelled), and a
+    retry starts under the same id. The prefetched block belongs to the closed
+    session: the new request's first proposal must be drafted for it (its own seed),
+    and its commits must then keep the draft side in step."""
+    address, _, runner = draft_server
+    drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+    sampling = SamplingParams(max_tokens=8, temperature=0.8)
+    # the draft model's context comes with the draft actor's Status (rank 0 caps K by it)
+    assert drafter.max_context == runner.max_context == 256
+    try:
+        drafter.start("a", [5, 6, 7], sampling, 1)
+        drafter.flush("a")  # Open answered, so the prefetch sends it
+        drafter.prefetch([ProposeRow("a", 2)])
+        assert drafter._prefetch is not None
+        drafter.release("a")
+        drafter.start("a", [5, 6, 7], sampling, 9)  # the retry, its own seed
+        (block,) = drafter.propose([ProposeRow("a", 2)])
+        assert isinstance(block, DraftBlock), block
+        drafter.start("ctl", [5, 6, 7], sampling, 9)  # a fresh session, the same seed
+        (want,) = drafter.propose([ProposeRow("ctl", 2)])
+        assert block.token_ids == want.token_ids and block.epoch == 3
+        drafter.commit("a", block.epoch, 2, 11)
+        (second,) = drafter.propose([ProposeRow("a", 2)])
+        assert isinstance(second, DraftBlock) and second.epoch == 6, second
+    finally:
+        drafter.close()
