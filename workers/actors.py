@@ -126,8 +126,11 @@ class VerifierRank:
         self.runner = None
         self.engine = None
         self.loop = None
-        self._cancel_flags: dict[str, threading.Event] = {}
+        # request id -> the cancel flags of the calls running under it (a second call
+        # with a running id, refused by the engine, must not unhook the first's)
+        self._cancel_flags: dict[str, list[threading.Event]] = {}
         self._started_at = time.time()
+        self.follow_failed: str | None = None  # why this follower's loop ended early
 
     def pick_port(self) -> int:
         from workers.tp_verifier import free_port
@@ -170,10 +173,17 @@ class VerifierRank:
         return {"rank": self.rank, **self.whereabouts, "threads": _threads()}
 
     def follow(self) -> int:
-        """Ranks >= 1: replay rank 0's cache operations until shutdown."""
+        """Ranks >= 1: replay rank 0's cache operations until shutdown. An operation that
+        raises here (and not on rank 0: an out-of-memory on one GPU) leaves rank 0
+        waiting in its next collective; `ping` then fails, so the supervisor's probe
+        restarts the group instead of that wait lasting the collective's timeout."""
         from workers.tp_verifier import follow
 
-        return follow(self.runner)
+        try:
+            return follow(self.runner)
+        except BaseException as err:
+            self.follow_failed = f"{type(err).__name__}: {err}"
+            raise
 
     def connect(
         self, draft_address: str, *, limits=None, scheduler=None, timeout_s: float = 30.0
@@ -248,8 +258,7 @@ class VerifierRank:
     @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> None:
         """Stop a running request at its next step (no-op for an unknown id)."""
-        flag = self._cancel_flags.get(request_id)
-        if flag is not None:
+        for flag in list(self._cancel_flags.get(request_id, ())):
             flag.set()
 
     @contextlib.contextmanager
@@ -258,13 +267,16 @@ class VerifierRank:
         (a closed stream) stops its request instead of leaving it running."""
         flag = threading.Event()
         if request_id:
-            self._cancel_flags[request_id] = flag
+            self._cancel_flags.setdefault(request_id, []).append(flag)
         try:
             yield flag
         finally:
             flag.set()
-            if self._cancel_flags.get(request_id) is flag:
-                del self._cancel_flags[request_id]
+            flags = self._cancel_flags.get(request_id)
+            if flags is not None:
+                flags.remove(flag)
+                if not flags:
+                    del self._cancel_flags[request_id]
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:  # noqa: F821
         """Verifier logits [n, V] for a token sequence, through the sharded model."""
@@ -300,6 +312,8 @@ class VerifierRank:
 
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> int:
+        if self.follow_failed is not None:
+            raise RuntimeError(f"rank {self.rank}: its follow loop failed ({self.follow_failed})")
         return self.rank
 
     @ray.method(concurrency_group=CONTROL)

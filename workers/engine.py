@@ -184,6 +184,15 @@ class SpeculativeEngine:
         for state in list(self._live.values()):
             self._end(state, error)
 
+    def abort_admitted(self, error: BaseException) -> None:
+        """End every request but those still waiting for a row (a step that failed
+        touched only admitted ones, and one it was admitting); the waiting ones never
+        ran and keep their place."""
+        waiting = {id(state) for state in self.scheduler.waiting}
+        for state in list(self._live.values()):
+            if id(state) not in waiting:
+                self._end(state, error)
+
     # ---- convenience: run requests on the calling thread -----------------------------
 
     def generate(

@@ -20,12 +20,14 @@ requests join between two steps.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 _END = object()
+log = logging.getLogger("cactus.engine")
 _WAIT_ARRIVALS = 5  # an idle engine's wait for a burst ends after this many batch waits
 
 
@@ -149,10 +151,15 @@ class EngineLoop:
                 continue
             try:
                 batch = self.engine.step()
-                if self.on_step is not None:
+            except Exception as err:  # a bug: end what was admitted, keep serving
+                log.exception("an engine step failed: its admitted requests end")
+                self.engine.abort_admitted(err)
+                continue
+            if self.on_step is not None:
+                try:
                     self.on_step(self.engine, batch)
-            except Exception as err:  # a bug: end what is running, keep serving
-                self.engine.abort_all(err)
+                except Exception:  # the step's bookkeeping (metrics): no request's fault
+                    log.exception("the step's on_step callback failed")
         # Shut down: free every request's rows, answer everything still queued.
         self.engine.abort_all(EngineLoopStopped("the engine loop was shut down"))
         while True:

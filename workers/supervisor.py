@@ -316,10 +316,12 @@ def _deadline(request: GenerationRequest) -> float | None:
 
 def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0, stats=None):
     """The request as the engine runs it this time: its own id (the old engine may
-    still know the old one), the time left, and for a resumed stream the tokens sent."""
-    if attempt == 0:
-        return request
+    still know the old one), the time left, and for a resumed stream the tokens sent.
+    The time left is counted from the request's arrival: a first attempt that waited
+    for a restart gets what the wait left of its time_limit_s, not all of it again."""
     left = None if deadline is None else max(1e-3, deadline - time.monotonic())
+    if attempt == 0:
+        return request if left is None else replace(request, time_limit_s=left)
     resumed = replace(
         request,
         request_id=f"{request.request_id}~{attempt}",

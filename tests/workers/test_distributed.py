@@ -277,6 +277,25 @@ def test_control_calls_never_wait_behind_requests_that_hold_every_thread(
         group.shutdown()
 
 
+def test_a_second_call_with_a_running_id_leaves_the_first_cancellable(groups):
+    """Rank 0 refuses a call whose id is running; that call's cancel flag must not
+    replace (and on its way out remove) the first call's, or the first could no longer
+    be cancelled and would run to its end."""
+    group = groups[1]
+    req = _req("def walk(tree):", "twice", rule="none", temperature=0.0, max_tokens=900)
+    first = group.rank0.generate.remote(req)
+    deadline = time.monotonic() + 30
+    while ray.get(group.rank0.load.remote())["running"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(ray.exceptions.RayTaskError, match="already running"):
+        ray.get(group.rank0.generate.remote(req), timeout=30)
+    ray.get(group.rank0.cancel.remote("twice"), timeout=5)
+    ready, _ = ray.wait([first], timeout=10)
+    assert ready, "the first call was not cancelled"
+    assert _settled_counts(group) == {"draft": 0, "draft_sessions": 0, "rank0": 0}
+
+
 def test_dead_draft_actor_degrades_every_running_request(
     ray_session, embedded_engine, heldout_prompts
 ):

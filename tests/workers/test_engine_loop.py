@@ -231,3 +231,52 @@ def test_an_idle_engines_wait_ends_after_five_batch_waits_under_continuous_arriv
             assert list(out)[-1].result == "done"
     finally:
         loop.shutdown()
+
+
+def test_a_failed_step_ends_only_the_admitted_requests_and_a_failed_callback_none(
+    tiny_checkpoints,
+):
+    """A step that raises (a bug) ends the requests it was running; one still waiting
+    for a row never ran and goes on to its solo tokens. An on_step callback (the
+    metrics) that raises ends nothing."""
+    from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
+
+    engine = local_engine(
+        str(tiny_checkpoints["llama"]),
+        str(tiny_checkpoints["qwen2"]),
+        scheduler=SchedulerConfig(max_num_seqs=1, policy="fixed"),
+    )
+
+    def req(rid, seed):
+        return GenerationRequest(
+            prompt_token_ids=(5, 6, 7, 8),
+            request_id=rid,
+            sampling=SamplingParams(max_tokens=12, temperature=0.9, seed=seed),
+            speculation=SpeculationParams(rule="cactus", delta=1.0),
+        )
+
+    want = engine.generate(req("solo", 2))
+    real_step, steps = engine.step, []
+
+    def flaky_step():
+        steps.append(len(engine.scheduler.waiting))
+        if len(steps) == 3:  # the first request running, the second waiting
+            raise RuntimeError("injected: a bug in the step")
+        return real_step()
+
+    def bad_callback(engine, batch):
+        raise RuntimeError("injected: the metrics failed")
+
+    engine.step = flaky_step
+    loop = EngineLoop(engine, on_step=bad_callback)
+    try:
+        running, waiting = loop.submit(req("running", 1)), loop.submit(req("waiting", 2))
+        with pytest.raises(RuntimeError, match="injected: a bug"):
+            list(running)
+        got = [c for c in waiting][-1].result
+    finally:
+        loop.shutdown()
+    assert steps[2] == 1  # the second was waiting when the step failed
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert engine.verifier.runner.num_sequences == 0 == engine.drafter.runner.num_sequences

@@ -185,10 +185,25 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
         group.shutdown()
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["follower", "rank0"])
+def _fail_the_next_forward(rank) -> None:
+    """The follower's next forward raises (an out-of-memory on its GPU, say) while rank 0
+    goes on into the collective."""
+
+    def arm(actor):
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected: the follower's forward failed")
+
+        actor.runner.forward = boom
+
+    ray.get(rank.__ray_call__.remote(arm))
+
+
+@pytest.mark.parametrize("victim", [1, 0, "raises"], ids=["follower", "rank0", "follower-raises"])
 def test_a_killed_rank_restarts_the_group_and_streams_resume(
     ray_session, embedded_engine, heldout_prompts, victim
 ):
+    """A rank killed, or a follower whose operation raised (rank 0 then waits in its
+    next collective; the follower's ping fails, so the probe restarts the group)."""
     verifier, draft = embedded_dirs()
     group = EngineGroup(
         GroupConfig(verifier, draft, tp_size=2, rpc_timeout_s=5, speculation_policy="fixed")
@@ -208,7 +223,10 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
         while not all(chunks):
             await asyncio.sleep(0.01)
         killed = time.monotonic()
-        ray.kill(group.ranks[victim])
+        if victim == "raises":
+            _fail_the_next_forward(group.ranks[1])
+        else:
+            ray.kill(group.ranks[victim])
         # A request that arrives while the ranks restart waits for them (README).
         while sup.state == "SERVING" and time.monotonic() - killed < 30:
             await asyncio.sleep(0.01)

@@ -33,12 +33,14 @@ class FlakyGroup:
     def __init__(self, fail: int, restart_s: float = 0.0, restart_failures: int = 0) -> None:
         self.fail, self.restart_s, self.restart_failures = fail, restart_s, restart_failures
         self.calls, self.restarts = 0, 0
+        self.seen: list[GenerationRequest] = []
         self.ranks, self.draft = [_Rank()], None
 
     def model_info(self) -> dict:
         return {"vocab_size": 8, "max_context": 64, "tp_size": 1}
 
     async def agenerate(self, request):
+        self.seen.append(request)
         self.calls += 1
         if self.calls <= self.fail:
             raise EngineFailedError("rank 0 died")
@@ -113,6 +115,26 @@ def test_a_request_waits_for_a_restart_at_most_the_recovery_timeout():
     assert 0.3 < waited < 1.2, waited
     assert hurried < 0.35, hurried
     assert after.text == "ok" and after.stats.resumed == 0
+
+
+def test_a_request_that_waited_out_a_restart_runs_for_what_its_time_limit_left():
+    """time_limit_s counts from the request's arrival (README: request_timeout_s ends a
+    request as time_limit_s ends one): a request that arrived during a restart runs on
+    the rebuilt engine for what the wait left of it, not for all of it again."""
+
+    async def run():
+        group = FlakyGroup(fail=1, restart_s=0.5)
+        sup = EngineSupervisor(group, _config(recovery_timeout_s=5.0))
+        first = asyncio.create_task(sup.agenerate(_req("first")))
+        while sup.state == "SERVING":
+            await asyncio.sleep(0.01)
+        await sup.agenerate(_req("waited", time_limit_s=2.0))
+        await first
+        return {r.request_id: r.time_limit_s for r in group.seen}
+
+    limits = asyncio.run(run())
+    assert 0.5 < limits["waited"] < 1.6, limits  # 2 s less the >= 0.5 s restart
+    assert limits["first~1"] is None  # no limit stays none
 
 
 def test_after_the_restart_attempts_the_replica_reports_itself_unhealthy(ray_session):
