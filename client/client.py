@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -161,6 +162,19 @@ class CactusClient(_Client):
         time_limit_s: float = 0.0,
         logprobs: int | None = None,
     ) -> pb.GenerateRequest:
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("num_speculative_tokens", num_speculative_tokens),
+        ):
+            if value == 0:  # before 2026-12-05 the client's "unset"; now None is
+                warnings.warn(
+                    f"{name}=0 means unset in this client (the server's default); pass None. "
+                    "A 0 sent in a raw message is INVALID_ARGUMENT",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
+        max_tokens = max_tokens or None
+        num_speculative_tokens = num_speculative_tokens or None
         msg = pb.GenerateRequest(request_id=request_id, time_limit_s=time_limit_s)
         if isinstance(prompt, str):
             msg.prompt = prompt

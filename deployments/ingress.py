@@ -129,6 +129,11 @@ def tokenize(
         ids = tokenizer.encode(request.prompt, add_special_tokens=False)
         if not ids:
             raise InvalidRequestError("prompt", "encodes to zero tokens")
+        if len(ids) > limits.max_context - 1:  # named as sent: a text prompt
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(ids)} tokens leave no room in max context {limits.max_context}",
+            )
         request = replace(request, prompt=None, prompt_token_ids=tuple(ids))
     room = limits.max_context - len(ids)
     if fit_max_tokens and 1 <= room < request.sampling.max_tokens:

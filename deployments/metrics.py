@@ -63,8 +63,14 @@ class ServiceMetrics:
         )
         self.requests = metrics.Counter(
             "cactus_request_success",  # vLLM's request_success{finished_reason}
-            description="finished requests, by finish reason",
+            description="requests that ended with a result, by finish reason",
             tag_keys=("finished_reason",),
+        )
+        self.failures = metrics.Counter(
+            "cactus_request_failure",
+            description="accepted requests that ended without a result: CANCELLED (the "
+            "client went away or gave up) or ERROR",
+            tag_keys=("reason",),
         )
         self.prompt_tokens = metrics.Counter("cactus_prompt_tokens", description="prompt tokens")
         self.generation_tokens = metrics.Counter(
@@ -128,7 +134,7 @@ class ServiceMetrics:
         """A request that ended without a result: CANCELLED (its client went away or
         gave up) or ERROR (a status other than OK after it was accepted)."""
         self._last.pop(request.request_id, None)
-        self.requests.inc(tags={"finished_reason": reason})
+        self.failures.inc(tags={"reason": reason})
 
     def finished(self, request, result, start: float, unary: bool = False) -> None:
         """A request that ended with a result. `unary`: its tokens went out all at once,

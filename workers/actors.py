@@ -129,6 +129,7 @@ class VerifierRank:
         # request id -> the cancel flags of the calls running under it (a second call
         # with a running id, refused by the engine, must not unhook the first's)
         self._cancel_flags: dict[str, list[threading.Event]] = {}
+        self._flags_lock = threading.Lock()  # request threads and cancels change them
         self._started_at = time.time()
         self.follow_failed: str | None = None  # why this follower's loop ended early
 
@@ -258,7 +259,9 @@ class VerifierRank:
     @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> None:
         """Stop a running request at its next step (no-op for an unknown id)."""
-        for flag in list(self._cancel_flags.get(request_id, ())):
+        with self._flags_lock:
+            flags = list(self._cancel_flags.get(request_id, ()))
+        for flag in flags:
             flag.set()
 
     @contextlib.contextmanager
@@ -267,16 +270,18 @@ class VerifierRank:
         (a closed stream) stops its request instead of leaving it running."""
         flag = threading.Event()
         if request_id:
-            self._cancel_flags.setdefault(request_id, []).append(flag)
+            with self._flags_lock:
+                self._cancel_flags.setdefault(request_id, []).append(flag)
         try:
             yield flag
         finally:
             flag.set()
-            flags = self._cancel_flags.get(request_id)
-            if flags is not None:
-                flags.remove(flag)
-                if not flags:
-                    del self._cancel_flags[request_id]
+            with self._flags_lock:
+                flags = self._cancel_flags.get(request_id)
+                if flags is not None:
+                    flags.remove(flag)
+                    if not flags:
+                        del self._cancel_flags[request_id]
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:  # noqa: F821
         """Verifier logits [n, V] for a token sequence, through the sharded model."""

@@ -187,11 +187,13 @@ class SpeculativeEngine:
     def abort_admitted(self, error: BaseException) -> None:
         """End every request but those still waiting for a row (a step that failed
         touched only admitted ones, and one it was admitting); the waiting ones never
-        ran and keep their place."""
+        ran and keep their place. If that ends nothing, the failure lies in handling
+        the waiting ones (their admission, their time limits): they end too, so a
+        failing step can never repeat for ever."""
         waiting = {id(state) for state in self.scheduler.waiting}
-        for state in list(self._live.values()):
-            if id(state) not in waiting:
-                self._end(state, error)
+        admitted = [s for s in self._live.values() if id(s) not in waiting]
+        for state in admitted or list(self._live.values()):
+            self._end(state, error)
 
     # ---- convenience: run requests on the calling thread -----------------------------
 
@@ -435,6 +437,12 @@ class SpeculativeEngine:
         return ragged_accept(draft_ids, draft_probs, target, metadata), target
 
     def _commit(self, state, k: int, block, accepted: int, token: int) -> None:
+        cap = state.draft_max_context
+        if state.drafting and cap is not None and state.committed + accepted + 1 >= cap - 1:
+            # the draft model's context is full: it could draft no more for this row, so
+            # its draft session goes now (not a failure: plain decoding by design)
+            state.drafting = False
+            self.drafter.release(state.id)
         if state.drafting:
             epoch = block.epoch if k else state.committed
             try:

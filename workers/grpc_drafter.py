@@ -106,7 +106,9 @@ class GrpcDrafter:
         """The draft model's context, from the draft actor (None if it does not say: the
         engine then caps drafting by the verifier's context alone)."""
         try:
-            reply = self._stub.Status(pb.StatusRequest(), timeout=min(5.0, self.timeout_s))
+            reply = self._stub.Status(
+                pb.StatusRequest(), timeout=min(10.0, self.timeout_s), wait_for_ready=True
+            )
         except grpc.RpcError as err:
             log.warning("draft actor %s: no Status (%s)", self.address, err.code().name)
             return None
@@ -335,8 +337,24 @@ class GrpcDrafter:
         Open would reopen the session) and precedes every later Open."""
         if self._sessions.pop(request_id, None) is None:
             return
+        msg = pb.CloseSession(request_id=request_id)
+        pending = self._prefetch
+        if pending is not None and any(row.request_id == request_id for row, _ in pending[0]):
+            # a prefetched ProposeBatch drafting for this session is on its way on another
+            # sender: Close (and an Open of the id after it on the lane) must reach the
+            # draft side after it, or it would draft for the new session
+            in_flight, stub, timeout = pending[1], self._stub, self.timeout_s
+
+            def close_after_prefetch(_msg, timeout=timeout):
+                with contextlib.suppress(Exception):  # its outcome is propose's business
+                    in_flight.result(timeout=timeout)
+                return stub.Close(_msg, timeout=timeout)
+
+            method = close_after_prefetch
+        else:
+            method = self._stub.Close
         with contextlib.suppress(Exception):  # a closed client: the lease frees it
-            self._send(self._stub.Close, pb.CloseSession(request_id=request_id), lane=True)
+            self._send(method, msg, lane=True)
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())

@@ -100,12 +100,15 @@ class EngineSupervisor:
             if self.state != SERVING:
                 continue
             generation = self.generation
+            probed_draft = self.group.draft
             ranks_ok, draft_ok = await self._probe()
-            if self._replacing_draft is None:
+            # a probe that outlasted a draft replacement asked the old draft actor
+            current = self._replacing_draft is None and self.group.draft is probed_draft
+            if current:
                 self.draft_ok = draft_ok
             if not ranks_ok:
                 self.engine_failed(generation, "a verifier rank does not answer")
-            elif not draft_ok and self._replacing_draft is None:
+            elif not draft_ok and current:
                 self._replacing_draft = asyncio.get_running_loop().create_task(
                     self._replace_draft()
                 )

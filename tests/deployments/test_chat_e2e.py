@@ -163,10 +163,14 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     def text() -> str:
         return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
 
-    # README (Standard services): a Watch sends the status now, then every change
+    # README (Standard services): a Watch sends the status now, then every change; the
+    # Cactus service (does the replica take requests) stays SERVING through the draft
+    # kill, which the whole server ("") does not
     watched: list[tuple[str, float]] = []
     channel = grpc.insecure_channel(grpc_address)
-    watch_call = HealthStub(channel).Watch(HealthCheckRequest(service=""), timeout=600)
+    watch_call = HealthStub(channel).Watch(
+        HealthCheckRequest(service="cactus.v1.Cactus"), timeout=600
+    )
 
     def watch():
         with contextlib.suppress(grpc.RpcError):  # cancelled at the end

@@ -124,10 +124,23 @@ def test_an_unset_max_tokens_fits_the_context_the_prompt_leaves(ray_session):
     roomy = _shim(engine, sampling={"default_max_tokens": 4096})
     asyncio.run(roomy.Generate(CactusClient.request(ids[:10]), Ctx()))
     assert engine.seen[-1].sampling.max_tokens == 1014
+    # the Python client's old "0 = unset" still means unset, with a DeprecationWarning
+    with pytest.warns(DeprecationWarning, match="max_tokens=0"):
+        msg = CactusClient.request(ids[:10], max_tokens=0, num_speculative_tokens=0)
+    assert not msg.sampling.HasField("max_tokens")
+    assert not msg.speculation.HasField("num_speculative_tokens")
+    # a text prompt that fills the context is refused naming the field it was sent as
+    for text in ("def f(x):\n" * 300, "def f(x):\n" * 2000):
+        ctx = Ctx()
+        asyncio.run(shim.Generate(CactusClient.request(text), ctx))
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT, ctx.details
+        assert ctx.details.startswith("prompt:") and "max context 1024" in ctx.details
     # a sent 0 is not "unset" (both fields are proto3 optional): serving.md's >= 1
     for field in ("max_tokens", "num_speculative_tokens"):
-        msg = CactusClient.request(ids[:10], **{field: 0})
-        assert msg.sampling.HasField("max_tokens") == (field == "max_tokens")
+        msg = CactusClient.request(ids[:10])
+        part = msg.sampling if field == "max_tokens" else msg.speculation
+        setattr(part, field, 0)
+        assert part.HasField(field)
         ctx = Ctx()
         asyncio.run(shim.Generate(msg, ctx))
         assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(field)
@@ -389,9 +402,10 @@ def test_latency_bookkeeping_stays_bounded_when_clients_go_away(ray_session):
 
 
 def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
-    """`cactus_request_success{finished_reason}` counts every accepted request: LENGTH etc. when
-    it finishes, ERROR when it fails, CANCELLED when its client leaves; a request
-    refused by validation is not one."""
+    """Every accepted request is counted once: `cactus_request_success{finished_reason}`
+    (LENGTH etc.) when it ends with a result, as vLLM's request_success, and
+    `cactus_request_failure{reason}` otherwise: ERROR when it fails, CANCELLED when its
+    client leaves; a request refused by validation is neither."""
     from types import SimpleNamespace
 
     def counted(engine, run) -> list[str]:
@@ -399,6 +413,9 @@ def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
         seen: list[str] = []
         shim.metrics.requests = SimpleNamespace(
             inc=lambda tags: seen.append(tags["finished_reason"])
+        )
+        shim.metrics.failures = SimpleNamespace(
+            inc=lambda tags: seen.append("failure:" + tags["reason"])
         )
         asyncio.run(run(shim))
         return seen
@@ -421,9 +438,9 @@ def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
     failing = EngineFailedError("rank 1 gone")
     assert counted(FakeEngine(), unary) == ["LENGTH"]
     assert counted(FakeEngine(), stream) == ["LENGTH"]
-    assert counted(FakeEngine(fail=failing), unary) == ["ERROR"]
-    assert counted(FakeEngine(fail=failing), stream) == ["ERROR"]
-    assert counted(FakeEngine(), left) == ["CANCELLED"]
+    assert counted(FakeEngine(fail=failing), unary) == ["failure:ERROR"]
+    assert counted(FakeEngine(fail=failing), stream) == ["failure:ERROR"]
+    assert counted(FakeEngine(), left) == ["failure:CANCELLED"]
     assert counted(FakeEngine(), invalid) == []
 
 

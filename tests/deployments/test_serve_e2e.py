@@ -314,7 +314,6 @@ BAD = [
     ("prompt", {"prompt": ""}),
     ("prompt_token_ids", {"prompt": [10**7]}),
     ("max_tokens", {"max_tokens": 10**6}),
-    ("max_tokens", {"max_tokens": 0}),  # sent (proto3 optional): refused, not the default
     ("temperature", {"temperature": math.nan}),
     ("temperature", {"temperature": math.inf}),
     ("temperature", {"temperature": -0.5}),
@@ -331,7 +330,6 @@ BAD = [
     ("delta", {"delta": math.nan}),
     ("delta", {"delta": 4.5}),
     ("num_speculative_tokens", {"num_speculative_tokens": 9}),
-    ("num_speculative_tokens", {"num_speculative_tokens": 0}),
     ("max_divergence_nats", {"max_divergence_nats": -0.1}),
     ("max_divergence_nats", {"max_divergence_nats": math.inf}),
     ("time_limit_s", {"time_limit_s": -1.0}),
@@ -348,6 +346,15 @@ def test_validation_table_then_a_good_request(server):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value)
             assert err.value.details().startswith(field), err.value.details()
             assert "Traceback" not in err.value.details()
+    # a 0 sent in the message (proto3 optional: not unset) is refused, not the default
+    for part, field in (("sampling", "max_tokens"), ("speculation", "num_speculative_tokens")):
+        msg = client.request("def f(x):")
+        setattr(getattr(msg, part), field, 0)
+        for call in (client.stub.Generate, lambda m, **k: list(client.stub.GenerateStream(m, **k))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(msg, metadata=client.metadata, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value)
+            assert err.value.details().startswith(field), err.value.details()
     good = client.generate("def f(x):", max_tokens=4)
     assert len(good.token_ids) == 4
     # every bound is inclusive where serving.md says so: each limit itself is accepted
@@ -1009,6 +1016,7 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
 
 
 DOCUMENTED_METRICS = [
+    "cactus_request_failure",
     "cactus_spec_decode_num_drafts",
     "cactus_spec_decode_num_draft_tokens",
     "cactus_spec_decode_num_accepted_tokens",
@@ -1069,7 +1077,7 @@ def _scrape(server) -> Samples:
         position = re.search(r'position="(\d+)"', name_labels)
         if position:
             name = f"{name}[{position.group(1)}]"
-        reason = re.search(r'(?:finished_reason|actor)="(\w+)"', name_labels)
+        reason = re.search(r'(?:finished_reason|reason|actor)="(\w+)"', name_labels)
         if reason:  # also kept per finish reason (or restarted actor): name{REASON}
             key = f"{name}{{{reason.group(1)}}}"
             samples[key] = samples.get(key, 0.0) + float(value)
@@ -1120,21 +1128,24 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
     ]
     assert per_pos and all(a >= b for a, b in itertools.pairwise(per_pos)), per_pos
     assert sum(per_pos) == accepted
-    requests = total("cactus_request_success")
+    finished = total("cactus_request_success")  # with a result (vLLM's request_success)
     ttft = samples["ray_cactus_time_to_first_token_seconds_count"]
-    assert 3 <= ttft <= requests  # every streamed request with a token, no more
+    assert 3 <= ttft <= finished  # every streamed request with a token, no more
     # requests that ended without a result are counted by outcome (the cancel tests
     # above: a gRPC stream, a unary call past its deadline, two HTTP clients)
     unfinished = {
         r: sum(
             v
             for k, v in samples.items()
-            if k.startswith("ray_cactus_request_success") and k.endswith(f"{{{r}}}")
+            if k.startswith("ray_cactus_request_failure") and k.endswith(f"{{{r}}}")
         )
         for r in ("CANCELLED", "ERROR")
     }
     assert unfinished["CANCELLED"] >= 4, unfinished
-    finished = requests - sum(unfinished.values())
+    assert not any(  # the success counter holds finish reasons only
+        k.startswith("ray_cactus_request_success") and k.endswith(("{CANCELLED}", "{ERROR}"))
+        for k in samples
+    )
     assert samples["ray_cactus_e2e_request_latency_seconds_count"] == finished
     assert total("cactus_generation_tokens") >= 3 * 16
     # the work of requests cancelled before a result (rank 0's counters, by rule)
@@ -1178,6 +1189,7 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
     assert chosen and all({"rule", "k"} <= samples.labels[n] for n in chosen), chosen
     assert "position" in samples.labels["ray_cactus_spec_decode_num_accepted_tokens_per_pos_total"]
     assert "finished_reason" in samples.labels["ray_cactus_request_success_total"]
+    assert "reason" in samples.labels["ray_cactus_request_failure_total"]
     # each series has the Prometheus type the README gives it (serving.md's list)
     kinds = {
         "counter": [
@@ -1185,6 +1197,7 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
             "cactus_spec_decode_num_accepted_tokens_per_pos",
             "cactus_divergence_nats",
             "cactus_request_success",
+            "cactus_request_failure",
             "cactus_prompt_tokens",
             "cactus_generation_tokens",
         ],

@@ -288,7 +288,18 @@ def test_a_draft_model_with_a_shorter_context_caps_drafting_not_the_requests(
         )
 
     reqs = [req("beyond", 100, 30, "sps"), req("crosses", 40, 60), req("short", 10, 20)]
-    out = _run_together(engine, reqs)
+    sessions = []  # per step: the draft sessions held, and how long "crosses" was
+
+    def watch(steps, batch):
+        crossing = engine._live.get("crosses")
+        if crossing is not None:
+            sessions.append((crossing.committed, set(engine.drafter._reqs)))
+
+    out = _run_together(engine, reqs, on_step=watch)
+    # a row at the draft context gives its draft session (and draft row) back at once
+    assert any(n < 62 and "crosses" in held for n, held in sessions), sessions
+    assert all("crosses" not in held for n, held in sessions if n >= 63), sessions
+    assert "beyond" not in set().union(*(held for _, held in sessions))
     for r in reqs:
         got = _result(out[r.request_id])
         want = engine.generate(

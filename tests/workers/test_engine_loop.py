@@ -280,3 +280,25 @@ def test_a_failed_step_ends_only_the_admitted_requests_and_a_failed_callback_non
     assert steps[2] == 1  # the second was waiting when the step failed
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
     assert engine.verifier.runner.num_sequences == 0 == engine.drafter.runner.num_sequences
+
+
+def test_a_step_that_fails_on_a_waiting_request_ends_it_rather_than_spin(embedded_engine):
+    """A failure in handling the waiting requests themselves (their admission, their
+    time limits) leaves no admitted request to end: the waiting ones end then, so the
+    loop does not repeat the failing step for ever."""
+    real_reap, calls = embedded_engine._reap, []
+
+    def broken_reap(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("injected: reaping failed")
+
+    embedded_engine._reap = broken_reap
+    loop = EngineLoop(embedded_engine)
+    try:
+        stream = loop.submit(_req("def f(x):", "stuck"))
+        with pytest.raises(RuntimeError, match="injected: reaping"):
+            list(stream)
+    finally:
+        embedded_engine._reap = real_reap
+        loop.shutdown()
+    assert len(calls) <= 3, len(calls)

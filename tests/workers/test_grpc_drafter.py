@@ -87,10 +87,20 @@ def test_a_prefetched_block_never_reaches_a_new_request_that_took_its_id(draft_s
     try:
         drafter.start("a", [5, 6, 7], sampling, 1)
         drafter.flush("a")  # Open answered, so the prefetch sends it
+        real_propose = drafter._stub.ProposeBatch
+
+        def late_propose(msg, timeout=None):  # the prefetch is slow on the wire
+            time.sleep(0.5)
+            return real_propose(msg, timeout=timeout)
+
+        drafter._stub.ProposeBatch = late_propose
         drafter.prefetch([ProposeRow("a", 2)])
+        drafter._stub.ProposeBatch = real_propose
         assert drafter._prefetch is not None
         drafter.release("a")
         drafter.start("a", [5, 6, 7], sampling, 9)  # the retry, its own seed
+        # the late prefetch must not reach the draft side after the retry's Open (it
+        # would draft for the new session, which then refuses the retry's own proposal)
         (block,) = drafter.propose([ProposeRow("a", 2)])
         assert isinstance(block, DraftBlock), block
         drafter.start("ctl", [5, 6, 7], sampling, 9)  # a fresh session, the same seed
