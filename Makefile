@@ -97,10 +97,15 @@ serve: setup
 # a bounded wait. A server still there after STOP_TIMEOUT seconds (default: the config's
 # recovery.drain_timeout_s + 60, room for Serve's backstop and Ray's own shutdown) is
 # SIGKILLed, as Kubernetes ends a pod after its grace period (the Ray head it started
-# shares its fate), and make stop fails saying so.
+# shares its fate), and make stop fails saying so. A pid file whose pid is not a
+# `deployments.serve` process (left by a server that was SIGKILLed or a reboot; the pid
+# may have been reused) is removed and nothing is signalled.
 STOP_TIMEOUT = $(or $(shell $(PY) -c 'from configs.schema import load_config; print(int(load_config("$(CONFIG)").recovery.drain_timeout_s) + 60)' 2>/dev/null),90)
 stop:
 	@pid=$(CACHE)/serve-$(GRPC_PORT).pid; \
+	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null \
+	  && ! ps -p $$(cat $$pid) -o args= | grep -q 'deployments[.]serve'; then \
+	  echo "removed a stale pid file: pid $$(cat $$pid) is not a cactus server" >&2; rm -f $$pid; fi; \
 	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null; then p=$$(cat $$pid); kill -INT $$p; \
 	  waited=0; while kill -0 $$p 2>/dev/null; do \
 	    if [ $$waited -ge $(STOP_TIMEOUT) ]; then \

@@ -429,6 +429,14 @@ def validate(c: ServeConfig) -> None:
                 f"must be a custom resource with an amount >= 0, got {amount}"
                 + (" (use num_cpus / num_gpus)" if key in ("CPU", "GPU") else ""),
             )
+        # each actor is a placement bundle, and Ray refuses one of only zeros (at
+        # deploy time, after Ray has started: a traceback rather than this message)
+        _check(
+            res.num_cpus > 0 or res.num_gpus > 0 or any(v > 0 for v in res.resources.values()),
+            f"resources.{actor}",
+            "needs some resource > 0 (num_cpus, num_gpus or a custom one): it is a placement "
+            "bundle, and Ray refuses a bundle of zeros",
+        )
 
 
 # ---- the README's config table, generated from the field descriptions ---------------

@@ -25,6 +25,53 @@ from cactus import environment
 CACHE = Path(__file__).resolve().parent.parent / ".cache"
 
 
+WAITING_REPORT_S = 10.0  # how often a start that waits says what it waits for
+
+
+def _waiting_for(app) -> str:
+    """Serve's own account of a start in progress (its replicas' scheduling messages
+    name the resources they wait for)."""
+    notes = [app.message] if app.message else []
+    for name, deployment in app.deployments.items():
+        if deployment.message:
+            notes.append(f"{name}: {deployment.message}")
+    return "; ".join(notes) or getattr(app.status, "value", str(app.status))
+
+
+def wait_running(serve, app_name: str, stop: threading.Event, start: float) -> str:
+    """Wait until the application is RUNNING; returns "RUNNING", "DEPLOY_FAILED" (with
+    Serve's message printed) or "stopped" (SIGINT / SIGTERM / `make stop` meanwhile).
+    Every WAITING_REPORT_S it prints what Serve says it waits for (a placement that
+    the cluster cannot satisfy waits for ever: Serve expects an autoscaler)."""
+    reported = time.monotonic()
+    while True:
+        app = serve.status().applications.get(app_name)
+        status = (
+            str(app.status.value if hasattr(app.status, "value") else app.status) if app else ""
+        )
+        if status == "RUNNING":
+            return "RUNNING"
+        if status == "DEPLOY_FAILED":
+            print(f"deploy failed: {_waiting_for(app)}", file=sys.stderr, flush=True)
+            return "DEPLOY_FAILED"
+        if stop.wait(timeout=0.5):
+            return "stopped"
+        if app is not None and time.monotonic() - reported >= WAITING_REPORT_S:
+            reported = time.monotonic()
+            print(
+                f"starting for {reported - start:.0f}s, waiting: {_waiting_for(app)}",
+                flush=True,
+            )
+
+
+def _started_head(ray) -> bool:
+    """ray.init started the Ray head in this process (no cluster to join). Ray's private
+    node object (ray._private.worker._global_node) is the only place that says so."""
+    node = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(node, "_global_node", None)
+    return bool(getattr(node, "head", False))
+
+
 def pidfile(grpc_port: int) -> Path:
     """One pid file per gRPC port: `make stop PORT=...` stops that server only."""
     return CACHE / f"serve-{grpc_port}.pid"
@@ -130,13 +177,29 @@ def main(argv=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    running = False
     try:
         start = time.monotonic()
-        start_serve(config)
-        serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
+        # the pid file first: `make stop` (and Ctrl-C) must reach a server that is still
+        # starting, which may wait for resources for as long as the cluster lacks them
         pid_path = pidfile(config.grpc_port)
         pid_path.parent.mkdir(exist_ok=True)
         pid_path.write_text(str(os.getpid()))
+        start_serve(config)
+        serve._run(build_app(config), name=config.app_name, route_prefix="/", _blocking=False)
+        outcome = wait_running(serve, config.app_name, stop, start)
+        if outcome != "RUNNING":
+            print(
+                f"{outcome}: the application {config.app_name!r} did not start "
+                f"(after {time.monotonic() - start:.1f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            # not waited for: Serve's delete of an application whose replicas were never
+            # placed waits for them for ever (and serve.shutdown for it, 30 s)
+            serve.delete(config.app_name, _blocking=False)
+            return 1
+        running = True
         print(
             f"READY cactus gRPC on 127.0.0.1:{config.grpc_port} "
             f"HTTP on {config.http_host}:{config.http_port} "
@@ -181,7 +244,10 @@ def main(argv=None) -> int:
         serve.delete(config.app_name)
         print("drained", flush=True)
     finally:
-        serve.shutdown()
+        # A head this launcher started goes with ray.shutdown (Serve's controller too);
+        # after a start that never ran, serve.shutdown would wait 30 s on its delete.
+        if running or not _started_head(ray):
+            serve.shutdown()
         ray.shutdown()
         pidfile(config.grpc_port).unlink(missing_ok=True)
     return 0

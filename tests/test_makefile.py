@@ -49,7 +49,7 @@ def test_make_stop_stops_only_the_server_on_its_port():
             sys.executable,
             "-c",
             "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "print('ready', flush=True); time.sleep(60)",
+            "print('ready', flush=True); time.sleep(60)  # stands in for deployments.serve",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -84,7 +84,7 @@ def test_make_stop_kills_a_server_that_outlasts_stop_timeout():
             sys.executable,
             "-c",
             "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-            "print('ready', flush=True); time.sleep(120)",
+            "print('ready', flush=True); time.sleep(120)  # stands in for deployments.serve",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -109,6 +109,25 @@ def test_make_stop_kills_a_server_that_outlasts_stop_timeout():
         assert 2 <= took < 30, took
     finally:
         stuck.kill()
+        pid.unlink(missing_ok=True)
+
+
+def test_make_stop_never_signals_a_process_that_is_not_a_server():
+    """A pid file left by a server that was SIGKILLed (or a reboot) may name a pid some
+    other process has since taken: make stop removes it and signals nothing."""
+    port = "59938"
+    pid = REPO / ".cache" / f"serve-{port}.pid"
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid.parent.mkdir(exist_ok=True)
+        pid.write_text(str(bystander.pid))
+        out = _make_stop(port)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"pid {bystander.pid} is not a cactus server" in out.stderr, out.stderr
+        assert f"no server running on port {port}" in out.stdout, out.stdout
+        assert bystander.poll() is None and not pid.exists()
+    finally:
+        bystander.kill()
         pid.unlink(missing_ok=True)
 
 

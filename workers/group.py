@@ -304,10 +304,15 @@ class EngineGroup:
     async def agenerate(self, request):
         """A caller that is cancelled (its client went away or its deadline passed)
         cancels the request on rank 0: awaiting a Ray call does not stop it there."""
+        ref = self.rank0.generate.remote(request)
         try:
-            return await self.rank0.generate.remote(request)
+            return await ref
         except asyncio.CancelledError:
-            self.cancel(request.request_id)
+            self.cancel(request.request_id)  # a call that has started: its cancel flag
+            # one still queued for a thread of rank 0 (more calls than its
+            # max_concurrency: a batch of prompts) must never start: Ray drops it
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
             raise
 
     async def astream(self, request):

@@ -87,6 +87,9 @@ def test_cluster_example_is_multi_node():
         ({"resources": {"verifier_rank": {"num_gpus": -1.0}}}, "resources.verifier_rank.num_gpus"),
         ({"resources": {"replica": {"resources": {"x": -1.0}}}}, "resources.replica.resources.x"),
         ({"resources": {"draft": {"resources": {"CPU": 1.0}}}}, "resources.draft.resources.CPU"),
+        # a bundle of zeros: Ray refuses it at deploy time (a traceback after Ray started)
+        ({"resources": {"replica": {"num_cpus": 0}}}, "resources.replica"),
+        ({"resources": {"draft": {"num_cpus": 0, "resources": {"x": 0.0}}}}, "resources.draft"),
         ({"autoscaling": {"upscale_delay_s": -1.0}}, "autoscaling.upscale_delay_s"),
         ({"autoscaling": {"downscale_delay_s": -5.0}}, "autoscaling.downscale_delay_s"),
         ({"autoscaling": {"metrics_interval_s": 0.0}}, "autoscaling.metrics_interval_s"),

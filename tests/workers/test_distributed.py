@@ -3,7 +3,9 @@ ranks exchanging draft blocks over gRPC, against the in-process engine."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -242,7 +244,9 @@ def test_control_calls_never_wait_behind_requests_that_hold_every_thread(
     """Rank 0's requests hold a thread each for as long as they run (max_concurrency);
     the supervisor's probe (ping), cancels and load questions have their own concurrency
     group, so a rank whose request threads are all taken still answers at once (before,
-    a probe timed out there and the whole group was restarted)."""
+    a probe timed out there and the whole group was restarted). A call still queued
+    for a thread whose caller gives up (a batch of prompts beyond max_concurrency, its
+    HTTP client gone) never starts."""
     verifier, draft = embedded_dirs()
     group = EngineGroup(
         GroupConfig(
@@ -258,8 +262,14 @@ def test_control_calls_never_wait_behind_requests_that_hold_every_thread(
         kw = {"rule": "none", "temperature": 0.0, "max_tokens": 900}
         holds = [
             group.rank0.generate.remote(_req(heldout_prompts[i], f"hold{i}", **kw))
-            for i in range(3)
+            for i in range(2)
         ]
+        # the third, through the engine group's asyncio API, waits in Ray's queue
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        queued = asyncio.run_coroutine_threadsafe(
+            group.agenerate(_req(heldout_prompts[2], "hold2", **kw)), loop
+        )
         deadline = time.monotonic() + 60
         while ray.get(group.rank0.load.remote()) != {"running": 1, "waiting": 1}:
             assert time.monotonic() < deadline, ray.get(group.rank0.load.remote())
@@ -269,10 +279,15 @@ def test_control_calls_never_wait_behind_requests_that_hold_every_thread(
         took = time.monotonic() - start
         assert not ray.wait(holds, timeout=0)[0], "a held request ended: nothing was tested"
         assert took < 2.0, took
-        for i in range(3):
+        queued.cancel()  # its caller gives up while it waits for a thread
+        time.sleep(0.5)
+        for i in range(2):
             ray.get(group.rank0.cancel.remote(f"hold{i}"), timeout=5)
-        ready, _ = ray.wait(holds[:2], num_returns=2, timeout=20)
+        ready, _ = ray.wait(holds, num_returns=2, timeout=20)
         assert len(ready) == 2  # the running and the waiting one, cancelled at once
+        time.sleep(1.5)  # the freed threads would take the queued call now
+        assert ray.get(group.rank0.load.remote()) == {"running": 0, "waiting": 0}
+        loop.call_soon_threadsafe(loop.stop)
     finally:
         group.shutdown()
 

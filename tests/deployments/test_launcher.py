@@ -1,0 +1,72 @@
+"""The launcher while it starts: a server whose placement the cluster cannot satisfy
+waits (Serve expects an autoscaler to add the resources), says what it waits for, and
+`make stop` reaches it through its pid file, written before the start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+from deployments.serve import pidfile
+from tests.conftest import embedded_dirs
+from tests.deployments.test_serve_e2e import REPO, make
+from workers.tp_verifier import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
+    verifier, draft = embedded_dirs()
+    port, http_port = free_port(), free_port()
+    config = {
+        "models": {"verifier": verifier, "draft": draft},
+        "grpc_port": port,
+        "http_port": http_port,
+        # a custom resource no node has: the replica's placement group waits for ever
+        "resources": {"draft": {"num_cpus": 0.25, "resources": {"nowhere": 1}}},
+    }
+    path = tmp_path / "unplaceable.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    # reap it as soon as it exits, or make stop's `kill -0` would see a zombie
+    reaper = threading.Thread(target=proc.wait, daemon=True)
+    reaper.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("starting for") for line in lines):
+            assert proc.poll() is None, "".join(lines[-30:])
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+            time.sleep(0.5)
+        assert pidfile(port).exists()  # written before the start: make stop finds it
+        stopping = time.monotonic()
+        stop = make("stop", f"PORT={port}")
+        stop_out, _ = stop.communicate(timeout=120)
+        took = time.monotonic() - stopping
+        assert stop.returncode == 0, stop_out + "".join(lines[-20:])
+        assert f"stopped the server on port {port}" in stop_out, stop_out
+        assert took < 20, took  # no drain to wait for, and no 30 s Serve shutdown
+        reaper.join(timeout=60)
+        assert proc.returncode == 1
+        out = "".join(lines)
+        assert "READY" not in out
+        assert "stopped: the application 'cactus' did not start" in out, out[-3000:]
+        assert not pidfile(port).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pidfile(port).unlink(missing_ok=True)
