@@ -102,11 +102,12 @@ serve: setup
 # may have been reused) is removed and nothing is signalled.
 STOP_TIMEOUT = $(or $(shell $(PY) -c 'from configs.schema import load_config; print(int(load_config("$(CONFIG)").recovery.drain_timeout_s) + 60)' 2>/dev/null),90)
 stop:
-	@pid=$(CACHE)/serve-$(GRPC_PORT).pid; \
-	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null \
-	  && ! ps -p $$(cat $$pid) -o args= | grep -q 'deployments[.]serve'; then \
-	  echo "removed a stale pid file: pid $$(cat $$pid) is not a cactus server" >&2; rm -f $$pid; fi; \
-	if [ -f $$pid ] && kill -0 $$(cat $$pid) 2>/dev/null; then p=$$(cat $$pid); kill -INT $$p; \
+	@pid=$(CACHE)/serve-$(GRPC_PORT).pid; p=$$(cat $$pid 2>/dev/null); \
+	if [ -n "$$p" ] && kill -0 $$p 2>/dev/null; then \
+	  args=$$(tr '\0' ' ' < /proc/$$p/cmdline 2>/dev/null || ps -ww -o args= -p $$p 2>/dev/null); \
+	  if [ -n "$$args" ] && ! echo "$$args" | grep -q 'deployments[.]serve'; then \
+	    echo "removed a stale pid file: pid $$p is not a cactus server" >&2; rm -f $$pid; p=; fi; fi; \
+	if [ -n "$$p" ] && kill -0 $$p 2>/dev/null; then kill -INT $$p; \
 	  waited=0; while kill -0 $$p 2>/dev/null; do \
 	    if [ $$waited -ge $(STOP_TIMEOUT) ]; then \
 	      echo "the server on port $(GRPC_PORT) (pid $$p) did not stop within $(STOP_TIMEOUT)s of SIGINT: killed it (SIGKILL)" >&2; \

@@ -170,7 +170,7 @@ class CactusClient(_Client):
                 warnings.warn(
                     f"{name}=0 means unset in this client (the server's default); pass None. "
                     "A 0 sent in a raw message is INVALID_ARGUMENT",
-                    DeprecationWarning,
+                    FutureWarning,
                     stacklevel=3,
                 )
         max_tokens = max_tokens or None

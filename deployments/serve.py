@@ -54,14 +54,12 @@ def wait_running(serve, app_name: str, stop: threading.Event, start: float) -> s
         if status == "DEPLOY_FAILED":
             print(f"deploy failed: {_waiting_for(app)}", file=sys.stderr, flush=True)
             return "DEPLOY_FAILED"
-        if stop.wait(timeout=0.5):
+        if stop.wait(timeout=1.0):
             return "stopped"
-        if app is not None and time.monotonic() - reported >= WAITING_REPORT_S:
+        if time.monotonic() - reported >= WAITING_REPORT_S:
             reported = time.monotonic()
-            print(
-                f"starting for {reported - start:.0f}s, waiting: {_waiting_for(app)}",
-                flush=True,
-            )
+            waiting = _waiting_for(app) if app is not None else "the application to register"
+            print(f"starting for {reported - start:.0f}s, waiting: {waiting}", flush=True)
 
 
 def _started_head(ray) -> bool:

@@ -308,24 +308,28 @@ class EngineGroup:
         try:
             return await ref
         except asyncio.CancelledError:
-            self.cancel(request.request_id)  # a call that has started: its cancel flag
-            # one still queued for a thread of rank 0 (more calls than its
-            # max_concurrency: a batch of prompts) must never start: Ray drops it
+            # a call still queued for a thread of rank 0 (more calls than its
+            # max_concurrency: a batch of prompts) must never start: Ray drops it; one
+            # that has started (its cancel flag registered first thing) stops by the flag
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
+            self.cancel(request.request_id)
             raise
 
     async def astream(self, request):
         """Async iteration of GenerationChunk objects (for the Serve ingress); a caller
         that stops early (cancelled, or closing the iterator) cancels it on rank 0."""
         finished = False
+        chunks = self.rank0.stream.options(num_returns="streaming").remote(request)
         try:
-            async for ref in self.rank0.stream.options(num_returns="streaming").remote(request):
+            async for ref in chunks:
                 chunk = await ref
                 finished = chunk.result is not None
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
+                with contextlib.suppress(Exception):  # still queued for a thread: dropped
+                    ray.cancel(chunks)
                 self.cancel(request.request_id)
             raise
 

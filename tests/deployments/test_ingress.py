@@ -124,8 +124,8 @@ def test_an_unset_max_tokens_fits_the_context_the_prompt_leaves(ray_session):
     roomy = _shim(engine, sampling={"default_max_tokens": 4096})
     asyncio.run(roomy.Generate(CactusClient.request(ids[:10]), Ctx()))
     assert engine.seen[-1].sampling.max_tokens == 1014
-    # the Python client's old "0 = unset" still means unset, with a DeprecationWarning
-    with pytest.warns(DeprecationWarning, match="max_tokens=0"):
+    # the Python client's old "0 = unset" still means unset, with a FutureWarning
+    with pytest.warns(FutureWarning, match="max_tokens=0"):
         msg = CactusClient.request(ids[:10], max_tokens=0, num_speculative_tokens=0)
     assert not msg.sampling.HasField("max_tokens")
     assert not msg.speculation.HasField("num_speculative_tokens")

@@ -47,7 +47,7 @@ def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
     reaper = threading.Thread(target=proc.wait, daemon=True)
     reaper.start()
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not any(line.startswith("starting for") for line in lines):
             assert proc.poll() is None, "".join(lines[-30:])
             assert time.monotonic() < deadline, "".join(lines[-30:])
@@ -59,12 +59,13 @@ def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
         took = time.monotonic() - stopping
         assert stop.returncode == 0, stop_out + "".join(lines[-20:])
         assert f"stopped the server on port {port}" in stop_out, stop_out
-        assert took < 20, took  # no drain to wait for, and no 30 s Serve shutdown
+        assert took < 30, took  # no drain to wait for, and no 30 s Serve shutdown
         reaper.join(timeout=60)
         assert proc.returncode == 1
         out = "".join(lines)
         assert "READY" not in out
         assert "stopped: the application 'cactus' did not start" in out, out[-3000:]
+        assert "Controller failed to shut down" not in out
         assert not pidfile(port).exists()
     finally:
         if proc.poll() is None:
