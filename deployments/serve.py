@@ -35,7 +35,7 @@ def _waiting_for(app) -> str:
     for name, deployment in app.deployments.items():
         if deployment.message:
             notes.append(f"{name}: {deployment.message}")
-    return "; ".join(notes) or getattr(app.status, "value", str(app.status))
+    return "; ".join(notes) or app.status.value
 
 
 def wait_running(serve, app_name: str, stop: threading.Event, start: float) -> str:
@@ -46,9 +46,7 @@ def wait_running(serve, app_name: str, stop: threading.Event, start: float) -> s
     reported = time.monotonic()
     while True:
         app = serve.status().applications.get(app_name)
-        status = (
-            str(app.status.value if hasattr(app.status, "value") else app.status) if app else ""
-        )
+        status = app.status if app is not None else None  # ApplicationStatus: a str Enum
         if status == "RUNNING":
             return "RUNNING"
         if status == "DEPLOY_FAILED":
