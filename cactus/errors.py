@@ -39,6 +39,12 @@ class ServerShuttingDownError(WorkerUnavailableError):
     time was up (deployments/drain.py). The message says so; clients retry elsewhere."""
 
 
+class ModelOutputError(CactusError):
+    """The verifier's output for a request was unusable (NaN or inf logits): that request
+    ends with this error (INTERNAL on the wire, the message in the server log); the other
+    requests of its batch go on."""
+
+
 class EngineStartError(CactusError):
     """The engine did not start: its placement group was not granted, or an actor did
     not load, join or answer within limits.start_timeout_s. What had started is stopped

@@ -45,6 +45,8 @@ class SpeculationParams:
     num_speculative_tokens: int = 4  # K
     max_divergence_nats: float | None = None  # per-request ceiling on the summed divergence
     tas_threshold: float = 0.09  # typical acceptance epsilon (posterior_threshold)
+    # typical acceptance alpha; None = sqrt(tas_threshold), the paper's code (vLLM V0: 0.3)
+    tas_alpha: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,4 +213,12 @@ def _validate_speculation(sp: SpeculationParams, limits: Limits) -> None:
         )
     if sp.max_divergence_nats is not None:
         _finite_in("max_divergence_nats", sp.max_divergence_nats, 0.0, math.inf)
+        if sp.rule == "tas":  # tas has no delta to drop: a ceiling could not be kept
+            raise _invalid(
+                "max_divergence_nats",
+                "rule 'tas' has no divergence budget (it ignores delta); "
+                "use cactus or cactus_exact for a ceiling",
+            )
     _finite_in("tas_threshold", sp.tas_threshold, 0.0, 1.0, low_open=True)
+    if sp.tas_alpha is not None:
+        _finite_in("tas_alpha", sp.tas_alpha, 0.0, math.inf)

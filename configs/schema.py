@@ -89,6 +89,16 @@ class SpeculationConfig(_Model):
     max_num_speculative_tokens: Int = doc("largest K a request may ask for", 8)
     delta_ceiling: Float = doc("largest delta a request may ask for (nats)", 4.0)
     allowed_rules: tuple[Str, ...] = doc("rules requests may use", RULES)
+    tas_threshold: Float = doc(
+        "rule tas: epsilon, the posterior threshold (vLLM V0's "
+        "typical_acceptance_sampler_posterior_threshold)",
+        0.09,
+    )
+    tas_alpha: Float | None = doc(
+        "rule tas: alpha; null = sqrt(tas_threshold), the paper's code (vLLM V0's "
+        "posterior_alpha default: 0.3)",
+        None,
+    )
     policy: Str = doc(
         "tokens each row drafts per step: `fixed` (the request's K) or `goodput` "
         "(0..K per row and step, for the most tokens/s; workers/policy.py)",
@@ -119,11 +129,17 @@ class LimitsConfig(_Model):
     max_ongoing_requests: Int = doc("requests a replica works on at once", 8)
     max_queued_requests: Int = doc(
         "requests waiting per caller (each Serve proxy or handle, so per node with "
-        "proxy_location EveryNode); beyond: RESOURCE_EXHAUSTED",
+        "proxy_location EveryNode); beyond: RESOURCE_EXHAUSTED (HTTP: 429, Retry-After 1)",
         32,
     )
-    max_prompt_chars: Int = doc("longest text prompt accepted", 100_000)
-    max_message_bytes: Int = doc("gRPC receive limit, sized to the longest prompt", 4 << 20)
+    max_prompt_chars: Int = doc(
+        "longest text prompt accepted (chat: all messages' content together)", 100_000
+    )
+    max_message_bytes: Int = doc(
+        "gRPC receive limit and HTTP body limit (above it: RESOURCE_EXHAUSTED, HTTP 413), "
+        "sized to the longest prompt",
+        4 << 20,
+    )
     request_timeout_s: Float = doc(
         "end-to-end limit on every request (0 = none): gRPC calls end with "
         "DEADLINE_EXCEEDED, HTTP requests with their tokens so far and finish_reason length",
@@ -339,6 +355,8 @@ def validate(c: ServeConfig) -> None:
         f"{s.default_rule!r} is not in allowed_rules",
     )
     _check(s.delta_ceiling >= 0, "speculation.delta_ceiling", "must be >= 0")
+    _check(0 < s.tas_threshold <= 1, "speculation.tas_threshold", "must lie in (0, 1]")
+    _check(s.tas_alpha is None or s.tas_alpha >= 0, "speculation.tas_alpha", "must be null or >= 0")
     _check(
         s.policy in POLICIES,
         "speculation.policy",

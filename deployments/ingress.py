@@ -98,6 +98,8 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         max_divergence_nats=(
             sp.max_divergence_nats if sp.HasField("max_divergence_nats") else None
         ),
+        tas_threshold=config.speculation.tas_threshold,  # the operator's, for every request
+        tas_alpha=config.speculation.tas_alpha,
     )
     which = msg.WhichOneof("input")
     prompt = msg.prompt if which == "prompt" else None

@@ -23,6 +23,11 @@ class AcceptResult:
     output_token_ids: torch.Tensor  # [B, K + 1] int64, PLACEHOLDER_TOKEN_ID after the end
     num_accepted: torch.Tensor  # [B] int64, accepted drafted tokens (bonus not counted)
     divergence_nats: torch.Tensor  # [B] float64, sum of d(h_n || q_n) over emitted positions
+    # [B] bool: a position this call reached (i <= num_accepted, i < K) had its delta
+    # dropped to 0 by the divergence budget. The budget is then spent for good: the caller
+    # verifies that sequence with delta = 0 from now on (acceptance.md, "once a request's
+    # running sum would exceed it, that request's remaining positions use delta = 0").
+    budget_exhausted: torch.Tensor
 
 
 # eq=False: fields are tensors, whose == is elementwise; identity equality is what is meant.
@@ -56,7 +61,12 @@ class RaggedMetadata:
     tas_threshold: tuple[float, ...]  # [B] (used by tas rows)
     divergence_budget: torch.Tensor  # [B] float64 nats left; +inf = no ceiling
     uniforms: torch.Tensor  # [B, max_i K_i + 1] float64; row i uses its first K_i + 1
-    tas_alpha: float | None = None  # tas alpha for every tas row; None = sqrt(threshold)
+    # tas alpha: one for every tas row, or [B] per row; None = sqrt(that row's threshold)
+    tas_alpha: float | tuple[float | None, ...] | None = None
+
+    def alpha(self, i: int) -> float | None:
+        """Row i's tas alpha (None: sqrt of its threshold)."""
+        return self.tas_alpha[i] if isinstance(self.tas_alpha, tuple) else self.tas_alpha
 
     @property
     def cu_num_draft_tokens(self) -> torch.Tensor:  # [B + 1] int64, on the host

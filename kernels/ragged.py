@@ -50,6 +50,7 @@ def ragged_accept(
     )
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
     divergence = torch.zeros(batch, dtype=torch.float64, device=device)
+    exhausted = torch.zeros(batch, dtype=torch.bool, device=device)
     flat = _Flat(draft_token_ids, draft_probs, target_probs, counts)
     groups = _groups(metadata)
     has_ceiling = _finite_budgets(metadata, groups)
@@ -65,16 +66,19 @@ def ragged_accept(
         out[index, : key[0] + 1] = result.output_token_ids
         num_accepted[index] = result.num_accepted
         divergence[index] = result.divergence_nats
-    return AcceptResult(out, num_accepted, divergence)
+        exhausted[index] = result.budget_exhausted
+    return AcceptResult(out, num_accepted, divergence, exhausted)
 
 
 def _groups(metadata: RaggedMetadata) -> dict[tuple, list[int]]:
-    """Rows by (K, rule, tas threshold), in order of first appearance. The threshold is
-    part of the key only for tas; every K_i = 0 row is in the PLAIN group."""
+    """Rows by (K, rule, tas threshold and alpha), in order of first appearance. The
+    threshold and alpha are part of the key only for tas; every K_i = 0 row is in the
+    PLAIN group."""
     groups: dict[tuple, list[int]] = {}
     rows = zip(metadata.num_draft_tokens, metadata.rules, metadata.tas_threshold, strict=True)
     for i, (k, rule, threshold) in enumerate(rows):
-        key = PLAIN if k == 0 else (k, rule, threshold if rule == "tas" else None)
+        tas = (threshold, metadata.alpha(i)) if rule == "tas" else None
+        key = PLAIN if k == 0 else (k, rule, tas)
         groups.setdefault(key, []).append(i)
     return groups
 
@@ -91,7 +95,7 @@ def _accept_group(
     flat: _Flat,
     rows: list[int],  # [G] row numbers sharing `key`
     index: torch.Tensor,  # [G] int64, the same rows as a tensor
-    key: tuple,  # (K, rule, tas threshold or None)
+    key: tuple,  # (K, rule, (tas threshold, alpha) or None)
     metadata: RaggedMetadata,
     has_ceiling: list[bool],  # [B]
 ) -> AcceptResult:  # [G, K + 1] tokens, [G] accepted, [G] divergence
@@ -112,7 +116,7 @@ def _accept_group(
         delta=rows_of(metadata.delta) if boosted else 0.0,
         uniforms=rows_of(metadata.uniforms)[:, : k + 1],
         tas_threshold=metadata.tas_threshold[rows[0]],  # read by tas only: one per group
-        tas_alpha=metadata.tas_alpha,
+        tas_alpha=metadata.alpha(rows[0]),
         divergence_budget=rows_of(metadata.divergence_budget) if budget else None,
         validate=False,  # ragged_accept has checked the whole batch
     )

@@ -110,7 +110,7 @@ def _accept_torch(
 
     delta = torch.as_tensor(metadata.delta, dtype=torch.float64, device=device).expand(batch)
     budget = metadata.divergence_budget
-    h_n = adjusted_target_mass(
+    h_n, capped = adjusted_target_mass(
         q_n,
         delta[:, None].expand(batch, k),
         metadata.rule,
@@ -122,7 +122,8 @@ def _accept_torch(
     row = _FinalRow(target_probs, draft_probs, ids, h_n, q_n, num_accepted)
     last = _final_tokens(row, uniforms[:, k], vocab)
     divergence = _emitted_sum(binary_kl(h_n, q_n), num_accepted)
-    return AcceptResult(_assemble(ids, num_accepted, last), num_accepted, divergence)
+    exhausted = _emitted_sum(capped.to(torch.float64), num_accepted) > 0
+    return AcceptResult(_assemble(ids, num_accepted, last), num_accepted, divergence, exhausted)
 
 
 def _accept_typical(
@@ -140,7 +141,8 @@ def _accept_typical(
     num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
     last, q_best = _typical_final(target_probs, num_accepted, u_final)
     divergence = _typical_divergence(q_n, q_best, num_accepted)
-    return AcceptResult(_assemble(ids, num_accepted, last), num_accepted, divergence)
+    exhausted = torch.zeros_like(num_accepted, dtype=torch.bool)  # tas has no budget
+    return AcceptResult(_assemble(ids, num_accepted, last), num_accepted, divergence, exhausted)
 
 
 def adjusted_target_mass(
@@ -148,18 +150,18 @@ def adjusted_target_mass(
     delta: torch.Tensor,  # [B, K] float64
     rule: str,
     budget: torch.Tensor | None = None,  # [B]
-) -> torch.Tensor:  # [B, K] float64
+) -> tuple[torch.Tensor, torch.Tensor]:  # h_n [B, K] float64, capped [B, K] bool
     """h_n for each drafted token; with a budget, delta drops to 0 from the first position
-    whose cumulative d(h_n || q_n) would exceed it."""
+    whose cumulative d(h_n || q_n) would exceed it (`capped` marks those positions)."""
     boost = {"sps": lambda q, d: q.to(torch.float64), "cactus": cactus_boost}.get(
         rule, cactus_exact_boost
     )
     h_n = boost(q_n, delta)
     if budget is None or rule == "sps":
-        return h_n
+        return h_n, torch.zeros_like(h_n, dtype=torch.bool)
     running = binary_kl(h_n, q_n).cumsum(-1)  # [B, K]
     within = (running <= budget.to(torch.float64)[:, None]).to(torch.int64).cumprod(-1).bool()
-    return boost(q_n, torch.where(within, delta, torch.zeros_like(delta)))
+    return boost(q_n, torch.where(within, delta, torch.zeros_like(delta))), ~within
 
 
 def typical_accept(
@@ -218,9 +220,14 @@ class _FinalRow:
         self.minus_p = rejected.to(dtype)[:, None]  # 1: subtract p (residual); 0: plain q
 
     def weights(
-        self, cols: slice | torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, p) at `cols`: a column slice, or per-row indices [B, C] (< V).
+        self,
+        cols: slice | torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        residual: bool = True,
+    ) -> torch.Tensor:
+        """The row's weights at `cols`: a column slice, or per-row indices [B, C] (< V).
+        `residual=False`: h itself (q at the bonus row), not max(0, h - p).
 
         `out`: two [B, >= C] buffers to write into. Reusing them across chunks matters on
         CPU: a fresh multi-MB tensor per chunk costs more in page faults than the maths.
@@ -241,7 +248,9 @@ class _FinalRow:
         inside = (local >= 0) & (local < h.shape[1])
         at = local.clamp(0, h.shape[1] - 1)
         h.scatter_(1, at, torch.where(inside, self.h_val, h.gather(1, at)))
-        return h.addcmul_(p, self.minus_p, value=-1.0).clamp_(min=0.0), p
+        if not residual:
+            return h
+        return h.addcmul_(p, self.minus_p, value=-1.0).clamp_(min=0.0)
 
 
 def _final_tokens(row: _FinalRow, u_final: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -249,29 +258,40 @@ def _final_tokens(row: _FinalRow, u_final: torch.Tensor, vocab: int) -> torch.Te
 
     The row is streamed in cache-sized column chunks and reduced to float64 block
     masses; only the one block the inverse CDF lands in is recomputed. Should the
-    residual be empty (h == p up to rounding, so p is h), p is sampled instead.
+    residual be empty (h <= p everywhere, so h == p up to rounding), h is sampled
+    instead: p's rounding-sized mass outside q's support must never be emitted (spec).
     """
     block = min(SAMPLE_BLOCK, vocab)
     chunk = min(RESIDUAL_CHUNK_BLOCKS * block, vocab)
     batch = u_final.shape[0]
     buffers = (row.q_rows.new_empty(batch, chunk), row.p_rows.new_empty(batch, chunk))
-    w_sums, p_sums = [], []
-    for start in range(0, vocab, chunk):
-        w, p = row.weights(slice(start, min(start + chunk, vocab)), out=buffers)
-        w_sums.append(block_sums(w, block))
-        p_sums.append(block_sums(p, block))
-    w_mass, p_mass = torch.cat(w_sums, dim=1), torch.cat(p_sums, dim=1)
-    empty = (w_mass.sum(-1) <= 0)[:, None]  # [B, 1]
+
+    def masses(residual: bool) -> torch.Tensor:  # [B, blocks] float64
+        sums = [
+            block_sums(
+                row.weights(slice(s, min(s + chunk, vocab)), out=buffers, residual=residual),
+                block,
+            )
+            for s in range(0, vocab, chunk)
+        ]
+        return torch.cat(sums, dim=1)
+
+    mass = masses(residual=True)
+    empty = (mass.sum(-1) <= 0)[:, None]  # [B, 1]
+    # Rare (rounding only): pay a second pass over the vocabulary only when it happens.
+    any_empty = bool(empty.any())
+    if any_empty:
+        mass = torch.where(empty, masses(residual=False), mass)
 
     def block_weights(blk: torch.Tensor) -> torch.Tensor:
         cols = block_columns(blk, block)
         valid = cols < vocab
-        w, p = row.weights(cols.clamp(max=vocab - 1))
-        return torch.where(valid, torch.where(empty, p.to(w.dtype), w), 0.0)
+        w = row.weights(cols.clamp(max=vocab - 1))
+        if any_empty:
+            w = torch.where(empty, row.weights(cols.clamp(max=vocab - 1), residual=False), w)
+        return torch.where(valid, w, 0.0)
 
-    return sample_from_blocks(
-        torch.where(empty, p_mass, w_mass), u_final, block_weights, block=block
-    )
+    return sample_from_blocks(mass, u_final, block_weights, block=block)
 
 
 def _assemble(ids: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

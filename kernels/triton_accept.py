@@ -56,6 +56,7 @@ def speculative_accept_triton(
     out = torch.empty(batch, k + 1, dtype=torch.int64, device=device)
     num = torch.empty(batch, dtype=torch.int64, device=device)
     div = torch.empty(batch, dtype=torch.float64, device=device)
+    capped = torch.empty(batch, dtype=torch.int32, device=device)
     accept_kernel[(batch,)](
         # every pointer on the verifier's device (drafts may arrive on the CPU)
         draft_token_ids.to(device=device, dtype=torch.int64).contiguous(),
@@ -67,6 +68,7 @@ def speculative_accept_triton(
         out,
         num,
         div,
+        capped,
         k,
         vocab,
         float(threshold),
@@ -78,7 +80,7 @@ def speculative_accept_triton(
         # No FMA contraction: the same roundings as the torch path, so the same tokens.
         enable_fp_fusion=False,
     )
-    return AcceptResult(out, num, div)
+    return AcceptResult(out, num, div, capped.bool())
 
 
 @triton.jit
@@ -128,8 +130,9 @@ def final_weights(q_ptr, p_ptr, offs, V, n_j, h_j, scale, residual_mode):
     p = tl.load(p_ptr + offs, mask=offs < V, other=0.0)
     h = tl.where(offs == n_j, h_j, q * scale)
     res = tl.maximum(h - p, 0.0)
-    # residual_mode: 0 = bonus (q), 1 = residual, 2 = empty residual (h == p up to rounding): p.
-    w = tl.where(residual_mode == 1, res, tl.where(residual_mode == 2, p, q))
+    # residual_mode: 0 = bonus (q), 1 = residual, 2 = empty residual (h == p up to
+    # rounding): h, which keeps to q's support where p's rounding mass may not.
+    w = tl.where(residual_mode == 1, res, tl.where(residual_mode == 2, h, q))
     return tl.where(offs < V, w, 0.0)
 
 
@@ -144,6 +147,7 @@ def accept_kernel(
     out_ptr,
     num_ptr,
     div_ptr,
+    capped_ptr,
     K,
     V,
     tas_threshold,
@@ -159,6 +163,7 @@ def accept_kernel(
     running = tl.zeros((), dtype=tl.float64)
     div = tl.zeros((), dtype=tl.float64)
     within = tl.full((), 1, tl.int32)
+    capped = tl.zeros((), dtype=tl.int32)  # a reached position lost its delta to the budget
     alive = tl.full((), 1, tl.int32)
     num = tl.zeros((), dtype=tl.int64)
     n_j = tl.zeros((), dtype=tl.int64)
@@ -181,6 +186,7 @@ def accept_kernel(
                 running += tl.where(within == 1, binary_kl(h, q_n), 0.0)
                 within = within & (running <= budget).to(tl.int32)
                 h = tl.where(within == 1, h, q_n)
+                capped = capped | (alive & (1 - within))
             acc = ((p_n > 0.0) & (u * p_n < h)).to(tl.int32)
             cost = binary_kl(h, q_n)
         first_reject = (alive == 1) & (acc == 0)
@@ -217,7 +223,7 @@ def accept_kernel(
         best_idx = tl.where(take, blk_arg, best_idx)
         best = tl.where(take, blk_max, best)
     mode = tl.where((mode == 1) & (total <= 0.0), 2, mode)
-    if RULE != 3:  # max(0, h - p) was all zero: h == p up to rounding, sample p
+    if RULE != 3:  # max(0, h - p) was all zero: h == p up to rounding, sample h
         total = tl.where(mode == 2, 0.0, total)
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -246,3 +252,4 @@ def accept_kernel(
         tl.store(out_ptr + b * (K + 1) + i, val)
     tl.store(num_ptr + b, num)
     tl.store(div_ptr + b, div)
+    tl.store(capped_ptr + b, capped)

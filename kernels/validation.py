@@ -163,6 +163,11 @@ def check_ragged(
                 f"{name}: expected {batch} entries (one per row of num_draft_tokens), "
                 f"got {len(getattr(metadata, name))}"
             )
+    if isinstance(metadata.tas_alpha, tuple) and len(metadata.tas_alpha) != batch:
+        raise ValueError(
+            f"tas_alpha: expected one value or {batch} entries (one per row), "
+            f"got {len(metadata.tas_alpha)}"
+        )
     for i, (k, rule) in enumerate(zip(counts, metadata.rules, strict=True)):
         if k > 0 and rule not in RULES:
             raise ValueError(f"rules: unknown acceptance rule {rule!r} at row {i}; {RULES}")

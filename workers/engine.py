@@ -34,6 +34,7 @@ import torch
 
 from cactus.errors import (
     InvalidRequestError,
+    ModelOutputError,
     RequestCancelledError,
     StaleBlockError,
     WorkerUnavailableError,
@@ -54,6 +55,10 @@ from workers.request import (
 from workers.scheduler import Scheduler, SchedulerConfig
 
 DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
+NON_FINITE = (
+    "the verifier's logits for this request were not finite (NaN or inf): the model "
+    "overflowed in its dtype; float32 may avoid it"
+)
 log = logging.getLogger("cactus.engine")
 
 
@@ -313,10 +318,12 @@ class SpeculativeEngine:
             [(s.id, blocks[s.id].token_ids if s.id in blocks else ()) for s in running]
         )
         t2 = time.perf_counter()
-        result, target = self._accept(running, ks, blocks, logits)  # accept
+        result, target, finite = self._accept(running, ks, blocks, logits)  # accept
         outputs = result.output_token_ids.tolist()  # (on CUDA: waits for the kernel)
+        finite = finite.tolist()
         accepted = result.num_accepted.tolist()
         divergence = result.divergence_nats.tolist()
+        capped = result.budget_exhausted.tolist()
         t3 = time.perf_counter()
         logprobs = _logprobs(running, ks, outputs, accepted, target)
         rows = [self._policy_row(s, fixed=ks[i]) for i, s in enumerate(running)]
@@ -324,10 +331,14 @@ class SpeculativeEngine:
         self.policy.observe_rows(rows, ks, accepted, predicted)
         emitted = []
         for i, state in enumerate(running):  # commit, per row
+            if not finite[i]:  # acceptance.md: never a silent nan_to_num
+                self._end(state, ModelOutputError(NON_FINITE))
+                emitted.append(None)
+                continue
             tokens = outputs[i][: accepted[i] + 1]
             self._commit(state, ks[i], blocks.get(state.id), accepted[i], tokens[-1])
             if ks[i]:
-                state.count(ks[i], accepted[i], divergence[i])
+                state.count(ks[i], accepted[i], divergence[i], capped[i])
             if state.drafting:
                 state.undrafted = 0 if ks[i] else state.undrafted + 1
             st = state.stats
@@ -338,6 +349,8 @@ class SpeculativeEngine:
             )
             emitted.append(state.emit(tokens, logprobs.get(i)))
         for state, tokens in zip(running, emitted, strict=True):  # emit
+            if tokens is None:  # ended above
+                continue
             state.push(tokens)
             if state.finish_reason is not None:
                 self._close(state)
@@ -405,7 +418,17 @@ class SpeculativeEngine:
         params = [
             s.request.sampling for s, k in zip(running, ks, strict=True) for _ in range(k + 1)
         ]
-        target = processed_rows(torch.cat([x[:, :vocab] for x in logits]), params)
+        flat = torch.cat([x[:, :vocab] for x in logits])
+        # NaN or +inf anywhere in a row (a float16 / bfloat16 overflow) makes its max
+        # non-finite; a -inf logit alone (a token ruled out) does not. One [N, V] pass.
+        bad_rows = (~torch.isfinite(flat.amax(-1))).to(torch.int64)  # [sum (K_i + 1)]
+        owner = torch.repeat_interleave(
+            torch.arange(len(ks), device=flat.device),
+            torch.tensor([k + 1 for k in ks], device=flat.device),
+        )
+        finite = torch.zeros(len(ks), dtype=torch.int64, device=flat.device)
+        finite = finite.index_add_(0, owner, bad_rows) == 0  # [B]
+        target = processed_rows(flat, params)
         # Everything the kernel meets lives on the verifier's device (drafts arrive on
         # the CPU from the wire, uniforms come from CPU generators).
         device = target.device
@@ -424,17 +447,23 @@ class SpeculativeEngine:
             else float("inf")
             for s, sp in zip(running, specs, strict=True)
         ]
+        # a request whose max_divergence_nats was reached verifies losslessly from then on
+        deltas = [
+            0.0 if s.stats.divergence_capped else sp.delta
+            for s, sp in zip(running, specs, strict=True)
+        ]
         metadata = RaggedMetadata(
             num_draft_tokens=tuple(ks),
             rules=tuple(sp.rule if sp.rule != "none" else "sps" for sp in specs),
-            delta=torch.tensor([sp.delta for sp in specs], dtype=torch.float64, device=device),
+            delta=torch.tensor(deltas, dtype=torch.float64, device=device),
             tas_threshold=tuple(sp.tas_threshold for sp in specs),
+            tas_alpha=tuple(sp.tas_alpha for sp in specs),
             divergence_budget=torch.tensor(budgets, dtype=torch.float64, device=device),
             uniforms=padded_uniforms(
                 [s.generator for s in running], [k + 1 for k in ks], device=device
             ),
         )
-        return ragged_accept(draft_ids, draft_probs, target, metadata), target
+        return ragged_accept(draft_ids, draft_probs, target, metadata), target, finite
 
     def _commit(self, state, k: int, block, accepted: int, token: int) -> None:
         cap = state.draft_max_context
@@ -603,6 +632,6 @@ def _logprobs(running, ks, outputs, accepted, target) -> dict[int, list[TokenLog
     return out
 
 
-def _group(state: RequestState) -> tuple[str, float]:
+def _group(state: RequestState) -> tuple[str, float, float]:
     sp = state.request.speculation
-    return sp.rule, sp.tas_threshold
+    return sp.rule, sp.tas_threshold, -1.0 if sp.tas_alpha is None else sp.tas_alpha

@@ -138,7 +138,8 @@ def group_of(speculation) -> str:
     if rule in ("cactus", "cactus_exact"):
         return f"{rule}:{speculation.delta:g}"
     if rule == "tas":
-        return f"tas:{speculation.tas_threshold:g}"
+        alpha = getattr(speculation, "tas_alpha", None)
+        return f"tas:{speculation.tas_threshold:g}" + ("" if alpha is None else f"/{alpha:g}")
     return rule
 
 

@@ -59,6 +59,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     divergence_nats: float = 0.0
+    # max_divergence_nats was reached: every later step verifies with delta = 0
+    divergence_capped: bool = False
     draft_failures: int = 0  # the drafter failed; the request went on without drafts
     resumed: int = 0  # times the request was resumed on a rebuilt engine (supervisor)
     draft_s: float = 0.0  # time of the steps' draft passes this request took part in
@@ -89,6 +91,7 @@ class SpecStats:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "draft_failures"):
             setattr(self, name, int(saved.get(name, 0)))
         self.divergence_nats = float(saved.get("divergence_nats", 0.0))
+        self.divergence_capped = bool(saved.get("divergence_capped", False))
         for i, n in enumerate(saved.get("accepted_per_position", ())):
             if i < len(self.accepted_per_position):
                 self.accepted_per_position[i] = int(n)
@@ -102,6 +105,7 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
             "divergence_nats": self.divergence_nats,
+            "divergence_capped": self.divergence_capped,
             "draft_failures": self.draft_failures,
             "resumed": self.resumed,
             "degraded": self.degraded,
@@ -361,7 +365,7 @@ class RequestState:
             logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
         )
 
-    def count(self, k: int, accepted: int, divergence: float) -> None:
+    def count(self, k: int, accepted: int, divergence: float, capped: bool = False) -> None:
         st = self.stats
         st.num_drafts += 1
         st.num_draft_tokens += k
@@ -369,3 +373,4 @@ class RequestState:
         for i in range(accepted):
             st.accepted_per_position[i] += 1
         st.divergence_nats += divergence
+        st.divergence_capped = st.divergence_capped or capped

@@ -37,6 +37,7 @@ def _instances() -> dict[str, BaseException]:
         errors.EngineFailedError("rank 1 died"),
         errors.EngineStartError("the draft actor did not load within ..."),
         errors.ServerShuttingDownError("the server is shutting down"),
+        errors.ModelOutputError("the verifier's logits for this request were not finite"),
         EngineLoopStopped("shut down"),
         _RowFailure(grpc.StatusCode.FAILED_PRECONDITION, "stale"),
         CapacityError("no row"),

@@ -111,6 +111,18 @@ def test_a_text_prompt_over_max_prompt_chars_is_refused_by_name():
     assert err.value.field == "prompt"
 
 
+def test_tas_with_a_divergence_ceiling_is_refused():
+    """tas ignores delta, so no ceiling could be kept: refused naming the field, not
+    silently ignored (the other rules take one)."""
+    limits = replace(LIMITS, allowed_rules=(*LIMITS.allowed_rules, "tas"))
+    validate_request(_sp(rule="tas", delta=0.0), limits)
+    with pytest.raises(InvalidRequestError, match="rule 'tas' has no divergence") as err:
+        validate_request(_sp(rule="tas", delta=0.0, max_divergence_nats=1.0), limits)
+    assert err.value.field == "max_divergence_nats"
+    for rule in ("none", "sps", "cactus", "cactus_exact"):
+        validate_request(_sp(rule=rule, delta=0.0, max_divergence_nats=1.0), limits)
+
+
 def test_good_requests_pass():
     validate_request(GOOD, LIMITS, prompt_len=5)
     validate_request(_s(temperature=0.0, top_k=-1, top_p=1.0, seed=2**64 - 1), LIMITS)

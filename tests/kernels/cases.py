@@ -67,10 +67,22 @@ def edge_case():
     return ids, draft, target, uniforms
 
 
+def off_support_empty_residual_case():
+    """K = 1, V = 4: p = [1e-6, .3, .3, .4 - 1e-6], q = p (1 - 2^-23) with q_0 = 0, so
+    q <= p everywhere and max(0, q - p) is empty. Drafted token 1 is rejected (u0 just
+    under 1); the final uniform 0 picks the first token with any mass of the row sampled."""
+    draft = torch.tensor([[[1e-6, 0.3, 0.3, 0.4 - 1e-6]]])
+    target = torch.cat([draft * (1 - 2**-23), draft], dim=1)
+    target[0, 0, 0] = 0.0
+    ids = torch.tensor([[1]])
+    uniforms = torch.tensor([[1 - 1e-9, 0.0]], dtype=torch.float64)
+    return ids, draft, target, uniforms
+
+
 def empty_residual_case():
     """Rejected with max(0, h - p) == 0 everywhere: q = p scaled down by rounding-size
     amounts (q <= p elementwise), u just under 1 at position 0. The kernel must then
-    sample p (= h up to rounding) instead of dividing by zero."""
+    sample h (= p up to rounding, on q's support) instead of dividing by zero."""
     gen = torch.Generator().manual_seed(12)
     batch, k, vocab = 4, 2, 37
     draft = random_probs((batch, k, vocab), gen=gen, sharp=2.0)

@@ -135,8 +135,8 @@ def _reference_row(ids, p, q, *, rule, delta, uniforms, tas, budget):
             tokens.append(n)
             continue
         residual = torch.clamp(h - p[i].to(torch.float64), min=0)
-        if float(residual.sum()) <= 0:  # h == p up to rounding: sample p (= h)
-            residual = p[i].to(torch.float64)
+        if float(residual.sum()) <= 0:  # h == p up to rounding: sample h (q's support)
+            residual = h
         return [*tokens, icdf(residual, float(uniforms[k]))], i, used
     return [*tokens, icdf(q[k], float(uniforms[k]))], k, used
 

@@ -89,12 +89,13 @@ def make_batch(rows, seed: int, *, vocab: int = 50, pad: float | None = None) ->
 
 
 def solo(batch: Batch, i: int):
-    """(tokens [K + 1], num_accepted, divergence) of row i verified on its own."""
+    """(tokens [K + 1], num_accepted, divergence, budget_exhausted) of row i verified on
+    its own."""
     m = batch.metadata
     k, u = m.num_draft_tokens[i], m.uniforms[i : i + 1, : m.num_draft_tokens[i] + 1]
     if k == 0:
         token = inverse_cdf_sample(batch.target[i], u[:, 0])
-        return token, torch.tensor(0), torch.tensor(0.0, dtype=torch.float64)
+        return token, torch.tensor(0), torch.tensor(0.0, dtype=torch.float64), torch.tensor(False)
     budget = m.divergence_budget[i : i + 1]
     res = speculative_accept(
         batch.ids[i][None],
@@ -106,7 +107,12 @@ def solo(batch: Batch, i: int):
         tas_threshold=m.tas_threshold[i],
         divergence_budget=None if math.isinf(budget) else budget,
     )
-    return res.output_token_ids[0], res.num_accepted[0], res.divergence_nats[0]
+    return (
+        res.output_token_ids[0],
+        res.num_accepted[0],
+        res.divergence_nats[0],
+        res.budget_exhausted[0],
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -116,11 +122,12 @@ def test_every_row_is_bit_identical_to_verifying_it_alone(seed):
     width = max(r[0] for r in ROWS) + 1
     assert got.output_token_ids.shape == (len(ROWS), width)
     for i, (k, *_) in enumerate(ROWS):
-        tokens, num, div = solo(batch, i)
+        tokens, num, div, exhausted = solo(batch, i)
         assert torch.equal(got.output_token_ids[i, : k + 1], tokens), i
         assert (got.output_token_ids[i, k + 1 :] == PLACEHOLDER_TOKEN_ID).all(), i
         assert torch.equal(got.num_accepted[i], num), i
         assert torch.equal(got.divergence_nats[i], div), i
+        assert torch.equal(got.budget_exhausted[i], exhausted), i
     assert got.num_accepted.dtype == torch.int64 and got.divergence_nats.dtype == torch.float64
 
 
@@ -136,6 +143,9 @@ def test_finite_budgets_bind_and_infinite_ones_are_no_ceiling():
     assert torch.equal(capped.divergence_nats[~finite], free.divergence_nats[~finite])
     assert (capped.divergence_nats[finite] <= batch.metadata.divergence_budget[finite]).all()
     assert (free.divergence_nats[finite] > batch.metadata.divergence_budget[finite]).any()
+    # a ceiling that bound says so (the engine then verifies that row losslessly)
+    assert capped.budget_exhausted[finite].any() and not free.budget_exhausted.any()
+    assert not capped.budget_exhausted[~finite].any()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -263,6 +273,7 @@ BAD_METADATA = [
     ("uniforms", {"uniforms": torch.zeros(3 * 4, dtype=torch.float64)}),
     ("uniforms", {"uniforms": torch.ones(3, 4, dtype=torch.float64)}),
     ("tas_alpha", {"tas_alpha": -1.0}),
+    ("tas_alpha", {"tas_alpha": (0.3, None)}),  # one per row, three rows
 ]
 BAD_TENSORS = [
     ("draft_token_ids", "draft_token_ids", lambda t: t[:-1]),
@@ -346,3 +357,29 @@ def test_triton_metadata_object_equals_keywords(rule):
 
 def _cpu(kw: dict) -> dict:
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items() if k != "rule"}
+
+
+def test_per_row_tas_alphas_split_their_group_and_each_row_keeps_its_own():
+    """tas rows 4 and 12 share K and threshold; given different alphas (a tuple, one per
+    row) they verify apart, each bit-identical to verifying it alone with its alpha."""
+    batch = make_batch(ROWS, 5)
+    alphas = tuple({4: 0.0, 8: 1.0, 12: None}.get(i) for i in range(len(ROWS)))
+    got = ragged_accept(*batch.flat(), dataclasses.replace(batch.metadata, tas_alpha=alphas))
+    m = batch.metadata
+    for i in (4, 8, 12):
+        k = m.num_draft_tokens[i]
+        alone = speculative_accept(
+            batch.ids[i][None],
+            batch.draft[i][None],
+            batch.target[i][None],
+            rule="tas",
+            uniforms=m.uniforms[i : i + 1, : k + 1],
+            tas_threshold=m.tas_threshold[i],
+            tas_alpha=alphas[i],
+        )
+        assert torch.equal(got.output_token_ids[i, : k + 1], alone.output_token_ids[0]), i
+        assert torch.equal(got.num_accepted[i], alone.num_accepted[0]), i
+    same = ragged_accept(*batch.flat(), m)  # one alpha (None) for every row
+    for i in range(len(ROWS)):
+        if i not in (4, 8):
+            assert torch.equal(got.output_token_ids[i], same.output_token_ids[i]), i

@@ -15,7 +15,12 @@ from kernels import (
     processed_probs,
     speculative_accept,
 )
-from tests.kernels.cases import edge_case, empty_residual_case, random_case
+from tests.kernels.cases import (
+    edge_case,
+    empty_residual_case,
+    off_support_empty_residual_case,
+    random_case,
+)
 from tests.kernels.reference import reference_accept
 
 SHAPES = [(1, 1, 2), (3, 1, 7), (2, 4, 2), (5, 3, 11), (8, 4, 50), (4, 10, 64), (16, 5, 1500)]
@@ -93,14 +98,91 @@ def test_edge_row_semantics(rule, delta):
 
 
 @pytest.mark.parametrize("rule", ["sps", "cactus", "cactus_exact"])
-def test_empty_residual_falls_back_to_the_draft_row(rule):
+def test_an_empty_residual_samples_h(rule):
     ids, draft, target, uniforms = empty_residual_case()
     res = speculative_accept(ids, draft, target, rule=rule, delta=0.0, uniforms=uniforms)
     out, _num, _ = reference_accept(ids, draft, target, rule=rule, delta=0.0, uniforms=uniforms)
     assert (res.num_accepted == 0).all()
     assert torch.equal(res.output_token_ids, out)
-    want = inverse_cdf_sample(draft[:, 0], uniforms[:, 2])
+    want = inverse_cdf_sample(target[:, 0], uniforms[:, 2])  # h = q at delta 0
     assert torch.equal(res.output_token_ids[:, 0], want)
+
+
+@pytest.mark.parametrize("rule", ["sps", "cactus", "cactus_exact"])
+def test_an_empty_residual_never_emits_a_token_outside_qs_support(rule):
+    """q <= p everywhere (rounding-sized gaps) with q_0 = 0 < p_0: the residual is empty
+    and p, the old fallback, put its first mass on token 0, outside q's support."""
+    ids, draft, target, uniforms = off_support_empty_residual_case()
+    res = speculative_accept(ids, draft, target, rule=rule, delta=0.0, uniforms=uniforms)
+    assert int(res.num_accepted[0]) == 0
+    token = int(res.output_token_ids[0, 0])
+    assert target[0, 0, token] > 0 and token == 1, token
+
+
+def _budget_case(k: int):
+    """Position 0: q_n = 0.3, whose cactus boost at delta 1 costs about 1.2 nats; position
+    1: q_n = 0.999, whose boost costs 0.001 nats. Uniforms 0: both drafts are accepted."""
+    vocab = 4
+    q0 = torch.tensor([0.3, 0.3, 0.2, 0.2])
+    q1 = torch.tensor([0.999, 0.0005, 0.0003, 0.0002])
+    target = torch.stack([q0, q1, torch.full((vocab,), 0.25)])[None, : k + 1]
+    draft = torch.full((1, k, vocab), 0.25)
+    ids = torch.zeros(1, k, dtype=torch.int64)
+    uniforms = torch.zeros(1, k + 1, dtype=torch.float64)
+    return ids, draft, target, uniforms
+
+
+@pytest.mark.parametrize("rule", ["cactus", "cactus_exact"])
+def test_a_spent_divergence_budget_stays_spent(rule):
+    """acceptance.md: once the running sum would exceed the ceiling, that request's
+    REMAINING positions use delta = 0. Within one call the cheap position 1 after the
+    expensive position 0 gets delta 0; the call reports the budget spent, so the caller
+    (the engine) keeps delta 0 for the request's later steps, where the same position
+    would otherwise fit what is left of the budget and get the full delta again."""
+    budget = torch.tensor([0.1], dtype=torch.float64)
+    whole = speculative_accept(
+        *_budget_case(2)[:3], rule=rule, delta=1.0, uniforms=_budget_case(2)[3],
+        divergence_budget=budget,
+    )  # fmt: skip
+    assert int(whole.num_accepted[0]) == 2 and float(whole.divergence_nats[0]) == 0.0
+    assert bool(whole.budget_exhausted[0])
+    first = speculative_accept(
+        *_budget_case(1)[:3], rule=rule, delta=1.0, uniforms=_budget_case(1)[3],
+        divergence_budget=budget,
+    )  # fmt: skip
+    assert float(first.divergence_nats[0]) == 0.0 and bool(first.budget_exhausted[0])
+    # position 1 alone with what is left (0.1): it fits, so only the sticky flag keeps
+    # it lossless
+    ids, draft, target, uniforms = _budget_case(2)
+    alone = speculative_accept(
+        ids[:, 1:], draft[:, 1:], target[:, 1:], rule=rule, delta=1.0,
+        uniforms=uniforms[:, 1:], divergence_budget=budget,
+    )  # fmt: skip
+    assert 0 < float(alone.divergence_nats[0]) < 0.1 and not bool(alone.budget_exhausted[0])
+
+
+def test_a_budget_reached_only_past_the_first_rejection_is_not_spent():
+    """Two positions costing about delta = 0.01 nats each, budget 0.015: position 1 would
+    exceed it. Reached (position 0 accepted), the budget is spent; with position 0
+    rejected, position 1 is never reached and the budget is not spent."""
+    row = torch.tensor([0.3, 0.3, 0.2, 0.2])
+    target = torch.stack([row, row, row])[None]  # [1, 3, 4]
+    draft = torch.tensor([[0.9, 0.05, 0.03, 0.02]]).expand(2, 4)[None].contiguous()
+    ids = torch.zeros(1, 2, dtype=torch.int64)
+    budget = torch.tensor([0.015], dtype=torch.float64)
+
+    def verify(u0: float):
+        uniforms = torch.tensor([[u0, 0.0, 0.5]], dtype=torch.float64)
+        return speculative_accept(
+            ids, draft, target, rule="cactus", delta=0.01, uniforms=uniforms,
+            divergence_budget=budget,
+        )  # fmt: skip
+
+    reached = verify(0.0)  # u * p_n = 0 < h_n: both accepted
+    assert int(reached.num_accepted[0]) == 2 and bool(reached.budget_exhausted[0])
+    assert 0.005 < float(reached.divergence_nats[0]) <= 0.015
+    rejected = verify(1 - 1e-12)  # u * p_n = 0.9 > h_n = 0.365: position 0 rejected
+    assert int(rejected.num_accepted[0]) == 0 and not bool(rejected.budget_exhausted[0])
 
 
 def test_cactus_accepts_more_but_never_outside_support():
@@ -222,3 +304,36 @@ BAD_INPUTS = [
 def test_bad_input_raises_value_error_naming_the_argument(name, override):
     with pytest.raises(ValueError, match=name):
         speculative_accept(**_args(**override))
+
+
+@pytest.mark.parametrize(("threshold", "alpha"), [(0.2, None), (0.09, 1.0), (0.5, 0.05)])
+@pytest.mark.parametrize("seed", range(4))
+def test_tas_thresholds_and_alphas_match_the_reference(threshold, alpha, seed):
+    """tas beyond the defaults (threshold 0.09, alpha sqrt(0.09) = 0.3, where a kernel
+    that hard-coded alpha 0.3 or ignored tas_alpha would pass): the min(epsilon,
+    alpha exp(-H)) cut-off against the slow reference, each term deciding somewhere."""
+    batch, k, vocab = SHAPES[3 + seed % 3]
+    ids, draft, target, uniforms = random_case(500 + seed, batch=batch, k=k, vocab=vocab)
+    kw = {"tas_threshold": threshold, "tas_alpha": alpha}
+    fast = speculative_accept(ids, draft, target, rule="tas", uniforms=uniforms, **kw)
+    out, num, div = reference_accept(
+        ids, draft, target, rule="tas", delta=0.0, uniforms=uniforms, **kw
+    )
+    assert torch.equal(fast.output_token_ids, out) and torch.equal(fast.num_accepted, num)
+    torch.testing.assert_close(fast.divergence_nats, div, rtol=1e-6, atol=1e-7)
+
+
+def test_tas_alpha_changes_what_is_accepted():
+    """The same drafts under alpha 0 (cut-off 0: every drafted token q > 0 accepted),
+    the default and a large alpha (cut-off epsilon): the counts differ, so the tests
+    above compare something that alpha moves."""
+    ids, draft, target, uniforms = random_case(9, batch=64, k=4, vocab=11)
+    counts = [
+        int(
+            speculative_accept(
+                ids, draft, target, rule="tas", uniforms=uniforms, tas_alpha=alpha
+            ).num_accepted.sum()
+        )
+        for alpha in (0.0, None, 50.0)
+    ]
+    assert counts[0] > counts[1] >= counts[2], counts

@@ -22,7 +22,12 @@ if not torch.cuda.is_available():
 triton_accept = pytest.importorskip("kernels.triton_accept")  # triton is a dev pin
 
 from kernels import RULES, AcceptMetadata, speculative_accept  # noqa: E402
-from tests.kernels.cases import edge_case, empty_residual_case, random_case  # noqa: E402
+from tests.kernels.cases import (  # noqa: E402
+    edge_case,
+    empty_residual_case,
+    off_support_empty_residual_case,
+    random_case,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 4, 50), (2, 1, 2), (4, 3, 2100), (6, 5, 17)]
@@ -53,20 +58,34 @@ def test_triton_matches_torch_path(rule, shape):
     torch.testing.assert_close(
         want.divergence_nats, got.divergence_nats.cpu(), rtol=1e-9, atol=1e-12
     )
+    assert torch.equal(want.budget_exhausted, got.budget_exhausted.cpu())
 
 
+@pytest.mark.parametrize("delta", [0.0, 0.5, 50.0])
 @pytest.mark.parametrize("rule", RULES)
-def test_triton_edge_rows(rule):
+def test_triton_edge_rows(rule, delta):
     ids, draft, target, uniforms = edge_case()
-    want, got = _both(ids, draft, target, uniforms, rule=rule, delta=0.5)
-    assert torch.equal(want.output_token_ids, got.output_token_ids.cpu())
+    budget = torch.linspace(0.0, 0.5, ids.shape[0], dtype=torch.float64)
+    for kw in ({}, {"divergence_budget": budget}):
+        want, got = _both(ids, draft, target, uniforms, rule=rule, delta=delta, **kw)
+        assert torch.equal(want.output_token_ids, got.output_token_ids.cpu())
+        assert torch.equal(want.num_accepted, got.num_accepted.cpu())
+        torch.testing.assert_close(
+            want.divergence_nats, got.divergence_nats.cpu(), rtol=1e-9, atol=1e-12
+        )
+        assert torch.equal(want.budget_exhausted, got.budget_exhausted.cpu())
+        if kw and delta == 50.0 and rule in ("cactus", "cactus_exact"):
+            assert want.budget_exhausted.any()  # the budgets bind: the flag is compared
 
 
-@pytest.mark.parametrize("rule", ["sps", "cactus"])
+@pytest.mark.parametrize("rule", ["sps", "cactus", "cactus_exact"])
 def test_triton_empty_residual(rule):
     want, got = _both(*empty_residual_case(), rule=rule, delta=0.0)
     assert (got.num_accepted.cpu() == 0).all()
     assert torch.equal(want.output_token_ids, got.output_token_ids.cpu())
+    # q_0 = 0 < p_0: the empty residual samples h, never token 0
+    want, got = _both(*off_support_empty_residual_case(), rule=rule, delta=0.0)
+    assert int(got.output_token_ids[0, 0]) == int(want.output_token_ids[0, 0]) == 1
 
 
 def test_triton_delta_zero_equals_sps():
@@ -98,9 +117,9 @@ AOT = textwrap.dedent(
     from kernels.triton_accept import accept_kernel
     sig = {"ids_ptr": "*i64", "draft_ptr": "*fp32", "target_ptr": "*fp32", "uni_ptr": "*fp64",
            "delta_ptr": "*fp64", "budget_ptr": "*fp64", "out_ptr": "*i64", "num_ptr": "*i64",
-           "div_ptr": "*fp64", "K": "i32", "V": "i32", "tas_threshold": "fp32",
-           "tas_alpha": "fp32", "RULE": "constexpr", "HAS_BUDGET": "constexpr",
-           "BLOCK": "constexpr", "STEPS": "constexpr"}
+           "div_ptr": "*fp64", "capped_ptr": "*i32", "K": "i32", "V": "i32",
+           "tas_threshold": "fp32", "tas_alpha": "fp32", "RULE": "constexpr",
+           "HAS_BUDGET": "constexpr", "BLOCK": "constexpr", "STEPS": "constexpr"}
     for rule in range(4):
         src = ASTSource(fn=accept_kernel, signature=sig,
                         constexprs={"RULE": rule, "HAS_BUDGET": True, "BLOCK": 1024, "STEPS": 64})

@@ -311,3 +311,85 @@ def test_a_draft_model_with_a_shorter_context_caps_drafting_not_the_requests(
     assert stats["beyond"].num_draft_tokens == 0
     assert 0 < stats["crosses"].num_draft_tokens < 4 * 60
     assert stats["short"].num_draft_tokens > 0
+
+
+def test_a_request_that_reached_its_divergence_ceiling_stays_lossless(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """acceptance.md: once the running sum would exceed max_divergence_nats, the request's
+    REMAINING positions use delta = 0, in later steps too (the kernel's flag alone covers
+    only its own call). Recorded at the kernel's boundary: after the step that spent the
+    budget, the request is verified with delta 0 at every step, its divergence no longer
+    grows, and the ceiling holds."""
+    import workers.engine as engine_module
+
+    real = engine_module.ragged_accept
+    seen = []  # (delta, budget_exhausted, divergence) per step of the capped request
+
+    def recording(ids, draft, target, metadata, **kw):
+        result = real(ids, draft, target, metadata, **kw)
+        if metadata.num_draft_tokens and metadata.num_draft_tokens[0]:
+            seen.append((float(metadata.delta[0]), bool(result.budget_exhausted[0])))
+        return result
+
+    monkeypatch.setattr(engine_module, "ragged_accept", recording)
+    req = _req(heldout_prompts[3], "capped", rule="cactus", delta=1.0, k=4, temperature=1.0)
+    req = replace(
+        req,
+        sampling=replace(req.sampling, seed=11, max_tokens=60),
+        speculation=replace(req.speculation, max_divergence_nats=0.3),
+    )
+    result = _result(_run_together(embedded_engine, [req])["capped"])
+    spent = next(i for i, (_, exhausted) in enumerate(seen) if exhausted)
+    assert spent + 1 < len(seen), "the budget was spent at the last step: nothing to see"
+    assert all(delta == 1.0 for delta, _ in seen[: spent + 1]), seen
+    assert all(delta == 0.0 for delta, _ in seen[spent + 1 :]), seen
+    assert result.stats.divergence_capped and result.stats.divergence_nats <= 0.3 + 1e-9
+
+
+def test_a_request_whose_logits_are_not_finite_fails_alone(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """A NaN in one request's verifier logits (a float16 overflow, say) ends that request
+    with ModelOutputError, never a silent garbage token; the other rows of its batch give
+    their solo tokens."""
+    from cactus.errors import ModelOutputError
+
+    reqs = [_req(heldout_prompts[i], f"r{i}", temperature=0.0, max_tokens=16) for i in range(3)]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    verifier = embedded_engine.verifier
+    real = verifier.score
+    calls = []
+
+    def poisoned(rows):
+        logits = real(rows)
+        calls.append(len(rows))
+        if len(calls) == 3:  # a decode step with every request in it
+            i = [rid for rid, _ in rows].index("r1")
+            logits[i] = logits[i].clone()
+            logits[i][-1, 5] = float("nan")
+        return logits
+
+    monkeypatch.setattr(verifier, "score", poisoned)
+    out = _run_together(embedded_engine, reqs)
+    assert isinstance(out["r1"][-1], ModelOutputError), out["r1"][-1:]
+    assert "not finite" in str(out["r1"][-1])
+    for rid in ("r0", "r2"):
+        assert _result(out[rid]).token_ids == solo[rid], rid
+    assert not embedded_engine.has_work()
+
+
+def test_tas_alpha_reaches_the_kernel_per_request(embedded_engine, heldout_prompts):
+    """Two tas requests in one batch, alpha 0 (every drafted token with q > 0 accepted)
+    and the default: each gives its solo tokens, and alpha 0 accepts more."""
+    reqs = []
+    for rid, alpha in (("a0", 0.0), ("default", None)):
+        r = _req(heldout_prompts[5], rid, rule="tas", delta=0.0, k=4, temperature=0.9, seed=7)
+        r = replace(r, sampling=replace(r.sampling, max_tokens=40))
+        reqs.append(replace(r, speculation=replace(r.speculation, tas_alpha=alpha)))
+    solo = {r.request_id: embedded_engine.generate(r) for r in reqs}
+    out = _run_together(embedded_engine, reqs)
+    for r in reqs:
+        assert _result(out[r.request_id]).token_ids == solo[r.request_id].token_ids
+    accepted = {rid: res.stats.acceptance_rate for rid, res in solo.items()}
+    assert accepted["a0"] > accepted["default"], accepted
