@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     environment.apply()
 
     started = time.monotonic()
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     host = socket.gethostname().split(".")[0] or "host"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{stamp}-{host}{'' if mode == 'full' else '-' + mode}.md"

@@ -57,7 +57,8 @@ def _client_parser(sub) -> None:
     p.add_argument("--address", default="127.0.0.1:9000")
     p.add_argument("--prompt", required=True)
     p.add_argument("--token", default=os.environ.get("CACTUS_AUTH_TOKEN"))
-    p.add_argument("--rule", default="")
+    # every field's default is None: unset, the server's default (README, Python client)
+    p.add_argument("--rule", default=None, help="unset: speculation.default_rule")
     p.add_argument("--delta", type=float, default=None)
     p.add_argument(
         "-K",
@@ -69,25 +70,22 @@ def _client_parser(sub) -> None:
     )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=None, help="unset: off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--max-tokens", type=int, default=None, help="unset: sampling.default_max_tokens"
     )
-    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=120.0)
 
 
-def client(args) -> int:
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from client import CactusClient
-
-    c = CactusClient(args.address, token=args.token, timeout=args.timeout)
-    kw = {
+def client_kwargs(args) -> dict:
+    """`cactus client`'s arguments as CactusClient.request's keywords: None is unset (the
+    server's default); a 0 for max_tokens or -K is read as unset too, with the request's
+    FutureWarning."""
+    return {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -98,6 +96,16 @@ def client(args) -> int:
         "delta": args.delta,
         "num_speculative_tokens": args.k,
     }
+
+
+def client(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from client import CactusClient
+
+    c = CactusClient(args.address, token=args.token, timeout=args.timeout)
+    kw = client_kwargs(args)
     try:
         if args.stream:
             last = None
@@ -223,11 +231,16 @@ def _run_ray(args, request):
         ray.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cactus", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cactus", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command")
     _generate_parser(sub)
     _client_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":
         return generate(args)

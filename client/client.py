@@ -94,8 +94,7 @@ async def _read(call):
         return await call.read()
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        # Task.cancelling() is Python 3.11's; without it, the task's own cancel is assumed
-        own = task is None or getattr(task, "cancelling", lambda: 1)()
+        own = task is None or task.cancelling()
         if call.cancelled() and not own:
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.CANCELLED,
@@ -150,18 +149,22 @@ class CactusClient(_Client):
         max_tokens: int | None = None,  # None (and every unset field): the server's default
         temperature: float | None = None,
         top_p: float | None = None,
-        top_k: int = 0,
+        top_k: int | None = None,  # unset: 0, off
         seed: int | None = None,
-        stop: str | list[str] = (),
-        stop_token_ids: int | list[int] = (),
-        rule: str = "",
+        stop: str | list[str] | None = None,
+        stop_token_ids: int | list[int] | None = None,
+        rule: str | None = None,  # unset: "", the server's default rule
         delta: float | None = None,
         num_speculative_tokens: int | None = None,
         max_divergence_nats: float | None = None,
-        request_id: str = "",
-        time_limit_s: float = 0.0,
+        request_id: str | None = None,  # unset: "", the server assigns one
+        time_limit_s: float | None = None,  # unset: 0, none (the call's deadline bounds it)
         logprobs: int | None = None,
     ) -> pb.GenerateRequest:
+        """The GenerateRequest of these parameters. A None leaves its field unset (absent
+        from the message, or proto3's default where the field is not `optional`: top_k 0,
+        rule "", no stops, request_id "", time_limit_s 0), which the server reads as its
+        default."""
         for name, value in (
             ("max_tokens", max_tokens),
             ("num_speculative_tokens", num_speculative_tokens),
@@ -175,17 +178,17 @@ class CactusClient(_Client):
                 )
         max_tokens = max_tokens or None
         num_speculative_tokens = num_speculative_tokens or None
-        msg = pb.GenerateRequest(request_id=request_id, time_limit_s=time_limit_s)
+        msg = pb.GenerateRequest(request_id=request_id or "", time_limit_s=time_limit_s or 0.0)
         if isinstance(prompt, str):
             msg.prompt = prompt
         else:
             msg.prompt_token_ids.ids.extend(prompt)
         s = msg.sampling
-        s.top_k = top_k
+        s.top_k = top_k or 0
         # one stop string or id, as OpenAI clients accept (a str is not a list of chars)
-        s.stop.extend([stop] if isinstance(stop, str) else stop)
+        s.stop.extend([stop] if isinstance(stop, str) else stop or ())
         s.stop_token_ids.extend(
-            [stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids
+            [stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids or ()
         )
         for name, value in (
             ("max_tokens", max_tokens),
@@ -197,7 +200,7 @@ class CactusClient(_Client):
             if value is not None:
                 setattr(s, name, value)
         sp = msg.speculation
-        sp.rule = rule
+        sp.rule = rule or ""
         if num_speculative_tokens is not None:
             sp.num_speculative_tokens = num_speculative_tokens
         if delta is not None:

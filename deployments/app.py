@@ -9,6 +9,13 @@ from configs.schema import ServeConfig, to_dict
 from deployments.drain import CUT_MARGIN_S
 from deployments.ingress import CactusIngress, actor_resources, group_config
 
+# A full queue over HTTP: 429 with Retry-After (Serve's default is a 503 without one),
+# which OpenAI clients retry after waiting that long (openai-python honours
+# Retry-After). One second: a slot frees when any running request ends, and the
+# client's retries back off further on their own; gRPC stays RESOURCE_EXHAUSTED.
+BACKPRESSURE_STATUS = 429
+BACKPRESSURE_RETRY_AFTER_S = 1.0
+
 GRPC_SERVICERS = [
     "protos.cactus.v1.cactus_pb2_grpc.add_CactusServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",  # grpcio-health-checking
@@ -39,11 +46,17 @@ def deployment_options(config: ServeConfig, *, own_engine: bool = True) -> dict:
     """Serve's options for the ingress deployment, from the typed config: queue bounds,
     the drain on scale-down and shutdown, the replica's placement group (when it starts
     its own engine actors) and its replica count or autoscaling."""
+    from ray.serve.config import BackpressureConfig
+
     a, lim = config.autoscaling, config.limits
     options = {
         "name": "CactusIngress",
         "max_ongoing_requests": lim.max_ongoing_requests,
         "max_queued_requests": lim.max_queued_requests,
+        # the HTTP answer past max_queued_requests (the body stays Serve's plain text)
+        "backpressure_config": BackpressureConfig(
+            status_code=BACKPRESSURE_STATUS, retry_after_s=BACKPRESSURE_RETRY_AFTER_S
+        ),
         "ray_actor_options": replica_actor_options(config),
         "health_check_period_s": config.recovery.health_check_period_s,
         "health_check_timeout_s": 30,

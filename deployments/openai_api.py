@@ -57,6 +57,7 @@ _TYPE = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_error",
     500: "server_error",
@@ -109,12 +110,16 @@ class OpenAIError(Exception):
         }
 
 
-def as_openai_error(err: BaseException, request_id: str = "") -> OpenAIError:
-    """Any failure -> OpenAIError, the way the gRPC path maps it to a status."""
+def as_openai_error(err: BaseException, request_id: str = "", sent=None) -> OpenAIError:
+    """Any failure -> OpenAIError, the way the gRPC path maps it to a status. sent: what
+    renames a field to the one the client sent (as_sent for its body), for the
+    engine's errors as for the validator's."""
     err = unwrap(err)
     if isinstance(err, OpenAIError):
         return err
     if isinstance(err, InvalidRequestError):
+        if sent is not None:
+            err = sent(err)
         return OpenAIError(400, str(err), param=err.field)
     code = getattr(err, "code", None)
     if isinstance(code, grpc.StatusCode):  # the shim's RequestError
@@ -189,11 +194,32 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             raise InvalidRequestError(name, "penalties are not supported (use 0)")
     if body.get("logit_bias"):
         raise InvalidRequestError("logit_bias", "logit_bias is not supported")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise InvalidRequestError("stream_options", "must be an object")
     if body.get("stream") not in (None, True, False):  # "false" must not start a stream
         raise InvalidRequestError("stream", f"must be true or false, got {body['stream']!r}")
+    _check_stream_options(body)
+
+
+STREAM_OPTIONS = {"include_usage"}
+
+
+def _check_stream_options(body: dict) -> None:
+    """stream_options: an object of known keys (null ones unset, as at the top level),
+    `include_usage` true or false, and only beside `stream: true` (as vLLM has it)."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise InvalidRequestError("stream_options", "must be an object")
+    if options and not body.get("stream"):
+        raise InvalidRequestError("stream_options", "only allowed with stream: true")
+    for name, value in options.items():
+        if name not in STREAM_OPTIONS and value is not None:
+            raise InvalidRequestError(f"stream_options.{name}", "unknown field")
+    if options.get("include_usage") not in (None, True, False):
+        raise InvalidRequestError(
+            "stream_options.include_usage",
+            f"must be true or false, got {options['include_usage']!r}",
+        )
 
 
 def as_sent(err: InvalidRequestError, body: dict, chat: bool) -> InvalidRequestError:
@@ -273,11 +299,14 @@ def to_request(
         max_divergence_nats=None
         if divergence is None
         else _number(body, "max_divergence_nats", None),
+        tas_threshold=sp.tas_threshold,  # the operator's, for every request
+        tas_alpha=sp.tas_alpha,
     )
     return GenerationRequest(
         sampling=sampling,
         speculation=speculation,
-        request_id=f"cmpl-{secrets.token_hex(12)}",
+        # OpenAI's (and vLLM's) id prefixes: the response's `id` is this request's
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         time_limit_s=config.limits.time_limit(_number(body, "time_limit_s", None)),
     )
 
@@ -311,15 +340,28 @@ def _message_text(m, i: int) -> str:
     )
 
 
-def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
+def chat_prompt_ids(body: dict, tokenizer, max_chars: int | None = None) -> list[int]:
+    """The chat template's token ids for `messages`. max_chars (limits.max_prompt_chars,
+    which bounds a completions prompt) bounds their content, all messages together,
+    before the template renders them or the tokenizer sees them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list")
     plain = []
+    total = 0
     for i, m in enumerate(messages):
         text = _message_text(m, i)
         if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
             raise InvalidRequestError(f"messages[{i}].role", f"unknown role {m.get('role')!r}")
+        total += len(text)
+        if max_chars is not None and len(text) > max_chars:
+            raise InvalidRequestError(
+                f"messages[{i}].content", f"longer than {max_chars} characters"
+            )
+        if max_chars is not None and total > max_chars:
+            raise InvalidRequestError(
+                "messages", f"their contents total more than {max_chars} characters"
+            )
         plain.append({"role": m["role"], "content": text})
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
@@ -518,14 +560,26 @@ async def sse_events(
     on_token=lambda: None,
     running=contextlib.nullcontext,
     on_end=lambda reason: None,
+    sent=None,
 ) -> AsyncIterator[str]:
     """Server-sent events from the engine's chunks; `first` was already awaited (so a
-    failure before the first token became an HTTP status, not an event). A client
-    that goes away cancels the request. As a gRPC stream does (deployments/metrics.py),
-    the stream counts as `running` while it lasts, and `on_token` is called for every
-    later chunk with tokens (inter-token latency); `on_end("ERROR" | "CANCELLED")` for a
-    stream that ends without its result."""
-    done = False
+    failure before the first token became an HTTP status, not an event). A stream that
+    ends before the engine's final result (its client went away, the engine failed, or
+    a bug of ours) cancels the request, and `rest` is closed. As a gRPC stream does
+    (deployments/metrics.py), the stream counts as `running` while it lasts, and
+    `on_token` is called for every later chunk with tokens (inter-token latency);
+    `on_end("ERROR" | "CANCELLED")` for a stream that ends without its result. With
+    `include_usage`, every chunk before the usage chunk has `"usage": null` (OpenAI's
+    shape). sent: as for as_openai_error, the error event's field as the client sent it."""
+    finished = False  # the engine's final result came: nothing left to cancel
+    counted = False  # on_done or on_end was called
+
+    def event(text: str, finish: str | None, first: bool, logprobs) -> dict:
+        out = shape.delta(text, finish, first=first, logprobs=logprobs)
+        if include_usage:
+            out["usage"] = None
+        return out
+
     try:
         with running():
             chunk, is_first = first, True
@@ -533,31 +587,66 @@ async def sse_events(
                 if not is_first and chunk.token_ids:
                     on_token()
                 if chunk.result is not None:
+                    finished = True
                     finish = FINISH.get(chunk.result.finish_reason, "stop")
-                    event = shape.delta(chunk.text, finish, first=is_first, logprobs=chunk.logprobs)
-                    event["cactus"] = cactus_stats(request, chunk.result)
-                    yield _sse(event)
+                    last = event(chunk.text, finish, is_first, chunk.logprobs)
+                    last["cactus"] = cactus_stats(request, chunk.result)
+                    yield _sse(last)
                     if include_usage:
                         yield _sse(shape.usage_chunk(request, chunk.result))
-                    done = True
+                    counted = True
                     on_done(chunk.result)
                     break
                 if chunk.text or is_first or chunk.logprobs:
-                    yield _sse(
-                        shape.delta(chunk.text, None, first=is_first, logprobs=chunk.logprobs)
-                    )
+                    yield _sse(event(chunk.text, None, is_first, chunk.logprobs))
                     is_first = False
                 chunk = await anext(rest, None)
         yield _sse("[DONE]")
     except Exception as err:  # headers are out: the failure goes in the stream
-        done = True
-        on_end("ERROR")
-        yield _sse(stream_error(as_openai_error(err, request.request_id)))
+        if not counted:
+            counted = True
+            on_end("ERROR")
+        yield _sse(stream_error(as_openai_error(err, request.request_id, sent)))
         yield _sse("[DONE]")
     finally:
-        if not done:
+        if not finished:
             cancel(request.request_id)
+        if not counted:
             on_end("CANCELLED")
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):  # the response is over either way
+                await aclose()
+
+
+async def read_json(http: Request, limit: int):
+    """The request's JSON body, refused with 413 above `limit` bytes: by its
+    Content-Length when it has one, before reading it; else by the bytes read so far."""
+
+    def too_large(size: str) -> OpenAIError:
+        return OpenAIError(
+            413,
+            f"the request body is {size} bytes, over the limit of {limit} "
+            "(limits.max_message_bytes)",
+            param="body",
+        )
+
+    declared = http.headers.get("content-length")
+    if declared is not None:
+        if not (declared.strip().isascii() and declared.strip().isdigit()):
+            raise InvalidRequestError("body", f"Content-Length {declared!r} is not a size")
+        if int(declared) > limit:
+            raise too_large(declared.strip())
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
+        raise InvalidRequestError("body", "must be a JSON object") from None
 
 
 def stream_error(error: OpenAIError) -> dict:
@@ -576,8 +665,8 @@ def build_routes(ingress, tokenize, logger):
 
     app = FastAPI(title="cactus-serve", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def fail(err: BaseException, request_id: str) -> JSONResponse:
-        error = as_openai_error(err, request_id)
+    def fail(err: BaseException, request_id: str, sent=None) -> JSONResponse:
+        error = as_openai_error(err, request_id, sent)
         if error.status >= 500 and error.status != 503:
             logger.error("request %s failed", request_id, exc_info=unwrap(err))
         return JSONResponse(error.body(), status_code=error.status)
@@ -664,21 +753,23 @@ def build_routes(ingress, tokenize, logger):
         import asyncio
 
         start = time.monotonic()
-        req = base = None
+        req = base = sent = None
         try:
             ingress.authorize(http.headers.get("authorization", ""))
-            try:
-                body = await http.json()
-            except (ValueError, RecursionError):  # RecursionError: nested too deep
-                raise InvalidRequestError("body", "must be a JSON object") from None
+            body = await read_json(http, ingress.config.limits.max_message_bytes)
             _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+
+            def sent(err: InvalidRequestError) -> InvalidRequestError:
+                return as_sent(err, body, chat)
+
             model = body.get("model")
             if model is not None and model not in ingress.model_names:
                 raise unknown_model(model)
             field = "max_completion_tokens" if chat else "max_tokens"
             base = to_request(body, ingress.config, max_tokens_field=field, chat=chat)
             if chat:
-                prompts = [{"prompt_token_ids": tuple(chat_prompt_ids(body, ingress.tokenizer))}]
+                ids = chat_prompt_ids(body, ingress.tokenizer, ingress.limits.max_prompt_chars)
+                prompts = [{"prompt_token_ids": tuple(ids)}]
             else:
                 prompts = completion_prompts(body)
             try:
@@ -693,7 +784,7 @@ def build_routes(ingress, tokenize, logger):
                     for prompt in prompts
                 ]
             except InvalidRequestError as err:
-                raise as_sent(err, body, chat) from None
+                raise sent(err) from None
             shape = Shape(chat, model or ingress.model_name, base.request_id, ingress.tokenizer)
             if len(reqs) > 1:
                 if body.get("stream"):
@@ -724,6 +815,7 @@ def build_routes(ingress, tokenize, logger):
                     on_token=lambda: ingress.metrics.token_latency(req, start, first=False),
                     running=ingress.metrics.running,
                     on_end=lambda reason: ingress.metrics.ended(req, reason),
+                    sent=sent,
                 ),
                 media_type="text/event-stream",
             )
@@ -735,7 +827,8 @@ def build_routes(ingress, tokenize, logger):
         except Exception as err:
             if req is not None:
                 ingress.metrics.ended(req, "ERROR")
-            return fail(err, req.request_id if req else base.request_id if base else "")
+            request_id = req.request_id if req else base.request_id if base else ""
+            return fail(err, request_id, sent)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

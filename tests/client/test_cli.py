@@ -1,10 +1,18 @@
-"""The `cactus` command line, in-process, on the embedded models."""
+"""The `cactus` command line: `generate` in-process on the embedded models; `client`
+against a stand-in gRPC server that records what it receives."""
 
 from __future__ import annotations
 
 import json
+from concurrent import futures
 
-from client.cli import main
+import grpc
+import pytest
+
+from client import CactusClient
+from client.cli import build_parser, client_kwargs, main
+from protos.cactus.v1 import cactus_pb2 as pb
+from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
 
 
 def test_generate_prints_one_json_result(capsys):
@@ -34,3 +42,83 @@ def test_the_quickstart_generate_command_and_its_stream(capsys):
     text = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
     assert main([*greedy, "--stream"]) == 0
     assert capsys.readouterr().out == text + "\n"
+
+
+class Recorder(pb_grpc.CactusServicer):
+    """Answers every request, keeping each as received."""
+
+    def __init__(self) -> None:
+        self.received: list[pb.GenerateRequest] = []
+
+    def Generate(self, request, context):
+        self.received.append(request)
+        return pb.GenerateResponse(request_id="r", text="ok", token_ids=[1])
+
+    def GenerateStream(self, request, context):
+        self.received.append(request)
+        yield pb.GenerateResponse(request_id="r", text="ok", token_ids=[1], finish_reason="EOS")
+
+
+@pytest.fixture()
+def recorder():
+    servicer = Recorder()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_CactusServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+def _unset(msg: pb.GenerateRequest) -> None:
+    """Every sampling and speculation field unset: the server's defaults."""
+    s, sp = msg.sampling, msg.speculation
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+        assert not s.HasField(name), name
+    for name in ("delta", "num_speculative_tokens", "max_divergence_nats"):
+        assert not sp.HasField(name), name
+    assert (s.top_k, list(s.stop), list(s.stop_token_ids), sp.rule) == (0, [], [], "")
+
+
+def test_client_zero_max_tokens_and_k_are_unset_with_a_future_warning():
+    """README: `cactus client` reads a 0 for max_tokens or num_speculative_tokens as unset
+    (its meaning before 2026-12-05), with a FutureWarning; the arguments, as the command
+    turns them into a request."""
+    for flag, name in (("--max-tokens", "max_tokens"), ("-K", "num_speculative_tokens")):
+        args = build_parser().parse_args(["client", "--prompt", "x", flag, "0"])
+        with pytest.warns(FutureWarning, match=f"{name}=0"):
+            msg = CactusClient.request(args.prompt, **client_kwargs(args))
+        _unset(msg)
+    # a value given is sent
+    args = build_parser().parse_args(["client", "--prompt", "x", "--max-tokens", "5", "-K", "3"])
+    msg = CactusClient.request(args.prompt, **client_kwargs(args))
+    assert (msg.sampling.max_tokens, msg.speculation.num_speculative_tokens) == (5, 3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_command_sends_unset_fields_and_reads_zero_as_unset(recorder, capsys, stream):
+    """The whole `cactus client` command: with no field given every field reaches the
+    server unset; `--max-tokens 0 -K 0` warns and reaches it unset too."""
+    servicer, address = recorder
+    argv = ["client", "--address", address, "--prompt", "x", *(["--stream"] * stream)]
+    assert main(argv) == 0
+    with pytest.warns(FutureWarning) as warned:
+        assert main([*argv, "--max-tokens", "0", "-K", "0"]) == 0
+    assert sorted(str(w.message).split("=")[0] for w in warned) == [
+        "max_tokens",
+        "num_speculative_tokens",
+    ]
+    assert capsys.readouterr().out.split() == ["ok", "ok"]
+    assert len(servicer.received) == 2
+    for msg in servicer.received:
+        assert msg.prompt == "x"
+        _unset(msg)
+    # flags given are sent
+    assert main([*argv, "--top-k", "7", "--rule", "sps", "--stop", "\n", "--max-tokens", "9"]) == 0
+    msg = servicer.received[-1]
+    assert (msg.sampling.top_k, msg.speculation.rule, list(msg.sampling.stop)) == (
+        7,
+        "sps",
+        ["\n"],
+    )
+    assert msg.sampling.max_tokens == 9

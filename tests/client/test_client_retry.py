@@ -367,6 +367,67 @@ def test_a_single_stop_string_or_id_is_one_stop_not_its_characters():
     assert list(msg.sampling.stop) == ["a", "bc"] and list(msg.sampling.stop_token_ids) == [1, 2]
 
 
+UNSET = {
+    "max_tokens": None,
+    "temperature": None,
+    "top_p": None,
+    "top_k": None,
+    "seed": None,
+    "stop": None,
+    "stop_token_ids": None,
+    "rule": None,
+    "delta": None,
+    "num_speculative_tokens": None,
+    "max_divergence_nats": None,
+    "request_id": None,
+    "time_limit_s": None,
+    "logprobs": None,
+}
+
+
+def test_none_leaves_every_request_field_unset():
+    """README: a field left unset (None in the clients) takes the server's default: an
+    `optional` field is absent from the message, any other holds proto3's default (top_k
+    0, rule "", no stops, request_id "", time_limit_s 0), which the server reads as
+    unset. A None for any of them is the same message as leaving it out."""
+    assert set(UNSET) == set(CactusClient.request.__kwdefaults__)  # every parameter
+    msg = CactusClient.request("p", **UNSET)
+    empty = pb.GenerateRequest(
+        prompt="p", sampling=pb.SamplingParams(), speculation=pb.SpeculationParams()
+    )
+    assert msg == CactusClient.request("p") == empty
+    s, sp = msg.sampling, msg.speculation
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+        assert not s.HasField(name), name
+    for name in ("delta", "num_speculative_tokens", "max_divergence_nats"):
+        assert not sp.HasField(name), name
+    assert (s.top_k, list(s.stop), list(s.stop_token_ids)) == (0, [], [])
+    assert (sp.rule, msg.request_id, msg.time_limit_s) == ("", "", 0.0)
+    # set values still go through
+    msg = CactusClient.request("p", top_k=5, rule="sps", request_id="r", time_limit_s=2.0)
+    assert (msg.sampling.top_k, msg.speculation.rule) == (5, "sps")
+    assert (msg.request_id, msg.time_limit_s) == ("r", 2.0)
+
+
+def test_both_clients_send_a_request_of_nones(flaky):
+    """generate and stream, blocking and asyncio, take the Nones too; a None time limit
+    is bounded by the call's deadline as an absent one is."""
+    servicer, address = flaky
+    client = CactusClient(address, retry=FAST, timeout=10)
+    assert client.generate("x", **UNSET).text == "ok"
+    assert [c.text for c in client.stream("x", **UNSET)] == ["a", "b"]
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        reply = await aclient.generate("x", **UNSET)
+        chunks = [c.text async for c in aclient.stream("x", **UNSET)]
+        await aclient.close()
+        return reply.text, chunks
+
+    assert asyncio.run(run()) == ("ok", ["a", "b"])
+    assert len(servicer.limits) == 4 and all(0 < limit <= 10 for limit in servicer.limits)
+
+
 def test_a_stream_cancelled_through_last_call_raises_cancelled_in_both_clients(flaky):
     """`last_call.cancel()` mid-stream: the blocking client raises RpcError CANCELLED,
     and so does the asyncio one (grpc.aio alone raises asyncio.CancelledError, which a

@@ -94,7 +94,12 @@ def test_defaults_fill_unset_fields(ray_session):
     engine = FakeEngine()
     shim = _shim(
         engine,
-        speculation={"default_rule": "sps", "default_delta": 0.5},
+        speculation={
+            "default_rule": "sps",
+            "default_delta": 0.5,
+            "tas_threshold": 0.2,
+            "tas_alpha": 0.05,
+        },
         sampling={"default_max_tokens": 40},
     )
     # the client's defaults are "unset" too: the server's defaults apply
@@ -102,6 +107,8 @@ def test_defaults_fill_unset_fields(ray_session):
     req = engine.seen[0]
     assert reply.text == "abc" and reply.stats.num_accepted_tokens == 2
     assert req.speculation.rule == "sps" and req.speculation.delta == 0.5
+    # typical acceptance's settings are the operator's (vLLM V0's engine arguments)
+    assert req.speculation.tas_threshold == 0.2 and req.speculation.tas_alpha == 0.05
     assert req.sampling.max_tokens == 40 and req.sampling.temperature == 1.0
     assert req.prompt is None and len(req.prompt_token_ids) > 0 and req.request_id
 

@@ -326,6 +326,24 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "top_p": -(10**400)}, 400, "top_p"),
         ({"prompt": "x", "delta": 10**400}, 400, "delta"),
         ({"prompt": "x", "time_limit_s": 10**400}, 400, "time_limit_s"),
+        # stream_options: only beside stream: true (as vLLM), known keys, a bool
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        (
+            {"prompt": "x", "stream": False, "stream_options": {"include_usage": False}},
+            400,
+            "stream_options",
+        ),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usge": True}},
+            400,
+            "stream_options.include_usge",
+        ),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
+            400,
+            "stream_options.include_usage",
+        ),
+        ({"prompt": "x", "stream": True, "stream_options": []}, 400, "stream_options"),
     ],
 )
 def test_bad_input_gets_an_openai_shaped_error(ray_session, body, status, param):
@@ -538,10 +556,14 @@ def test_a_stream_carries_a_usage_chunk_only_when_asked(ray_session, route):
         assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     asked = {**base, "stream_options": {"include_usage": True}}
     events = _events(_raw(app, "POST", route, json=asked))
-    with_usage = [e for e in events if "usage" in e]
-    assert with_usage == [events[-1]] and events[-1]["choices"] == []
-    assert events[-1]["usage"]["completion_tokens"] == 3
+    # OpenAI's shape: every chunk before the usage chunk has `"usage": null`
+    assert all("usage" in e and e["usage"] is None for e in events[:-1]), events
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+    # null stream_options and null keys in them are unset, like any null field
+    for options in (None, {"include_usage": None, "include_obfuscation": None}):
+        events = _events(_raw(app, "POST", route, json={**base, "stream_options": options}))
+        assert all("usage" not in e for e in events), events
 
 
 def test_configured_temperature_and_k_fill_unset_http_fields(ray_session):
@@ -590,3 +612,160 @@ def test_json_nested_too_deep_is_a_400_naming_the_body(ray_session):
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "body"
+
+
+def test_response_ids_have_openai_prefixes(ray_session):
+    """Chat completion ids start with `chatcmpl-`, completion ids with `cmpl-` (OpenAI's
+    and vLLM's), in whole responses and in every chunk of a stream."""
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for route, body, prefix in (
+        ("/v1/chat/completions", chat, "chatcmpl-"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 3}, "cmpl-"),
+    ):
+        reply = _raw(app, "POST", route, json=body)
+        assert reply.status_code == 200 and reply.json()["id"].startswith(prefix), reply.text
+        events = _events(_raw(app, "POST", route, json={**body, "stream": True}))
+        ids = {e["id"] for e in events}
+        assert len(ids) == 1 and ids.pop().startswith(prefix), events
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_parsed(ray_session):
+    """limits.max_message_bytes bounds an HTTP body too: a declared Content-Length over
+    it is refused before the body is read, a body without one (chunked) once the bytes
+    read pass it; 413, OpenAI-shaped, naming `body`. A body at the limit passes."""
+    shim, app = _app(limits={"max_message_bytes": 2048})
+    headers = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    small = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    at_limit = small[:-1] + b" " * (2048 - len(small)) + b"}"
+    assert len(at_limit) == 2048
+    reply = _raw(app, "POST", "/v1/completions", content=at_limit, headers=headers)
+    assert reply.status_code == 200, reply.text
+    big = json.dumps({"prompt": "x" * 4000}).encode()
+
+    async def chunked():  # no Content-Length: Transfer-Encoding chunked
+        for i in range(0, len(big), 500):
+            yield big[i : i + 500]
+
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        for content in (big, chunked()):
+            reply = _raw(app, "POST", route, content=content, headers=headers)
+            assert reply.status_code == 413, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == "body" and error["type"] == "invalid_request_error"
+            assert "2048" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert len(shim.engine.seen) == 1
+
+
+def test_chat_content_is_held_to_max_prompt_chars_before_the_template(ray_session):
+    """limits.max_prompt_chars bounds chat content as it bounds a completions prompt,
+    before the chat template renders it: one message over it names its content, several
+    over it together name `messages`."""
+    shim, app = _app(limits={"max_prompt_chars": 50})
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    rendered: list = []
+    render = shim.tokenizer.apply_chat_template
+    shim.tokenizer.apply_chat_template = lambda *a, **kw: rendered.append(1) or render(*a, **kw)
+    parts = [{"type": "text", "text": "y" * 30}, {"type": "text", "text": "y" * 30}]
+    for messages, param in (
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "x" * 51}],
+            "messages[1].content",
+        ),
+        ([{"role": "user", "content": parts}], "messages[0].content"),
+        (
+            [{"role": "system", "content": "x" * 30}, {"role": "user", "content": "x" * 30}],
+            "messages",
+        ),
+    ):
+        reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": messages})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and "50 characters" in error["message"], error
+    assert rendered == [] and shim.engine.seen == []
+    ok = [{"role": "system", "content": "x" * 25}, {"role": "user", "content": "x" * 25}]
+    reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": ok, "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_full_queue_over_http_is_429_with_retry_after():
+    """Past max_queued_requests Serve's proxy answers HTTP 429 with `Retry-After: 1`
+    (BackpressureConfig; its default is a 503 without one); gRPC is unaffected."""
+    from ray import serve
+
+    from configs.schema import from_dict
+    from deployments.app import deployment_options
+    from deployments.ingress import CactusIngress
+
+    options = deployment_options(from_dict({}), own_engine=False)
+    pressure = options["backpressure_config"]
+    assert pressure.status_code == 429 and pressure.retry_after_s == 1.0
+    deployment = serve.deployment(serve.ingress()(CactusIngress)).options(**options)
+    assert deployment.backpressure_config.status_code == 429  # Serve takes the option
+    assert deployment.backpressure_config.retry_after_s == 1.0
+
+
+def test_an_engine_error_names_the_field_the_client_sent(ray_session):
+    """The engine's own InvalidRequestError names its field (max_tokens,
+    prompt_token_ids); the 400, or a stream's error event, names the one the client sent
+    (max_completion_tokens, messages, prompt), as the validator's errors do."""
+    from cactus.errors import InvalidRequestError
+
+    engine = FakeEngine(fail=InvalidRequestError("max_tokens", "over the KV budget"))
+    shim, app = _app(engine)
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5}
+    reply = _raw(app, "POST", "/v1/chat/completions", json=chat)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "max_completion_tokens" and "KV budget" in error["message"], error
+    events = _events(_raw(app, "POST", "/v1/chat/completions", json={**chat, "stream": True}))
+    assert events[-1]["error"]["param"] == "max_completion_tokens", events
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 5})
+    assert reply.json()["error"]["param"] == "max_tokens", reply.text
+    engine.fail = InvalidRequestError("prompt_token_ids", "too long for the KV cache")
+    reply = _raw(app, "POST", "/v1/chat/completions", json=chat)
+    assert reply.json()["error"]["param"] == "messages", reply.text
+    for prompt in ("x", ["x", [5, 6]]):
+        reply = _raw(app, "POST", "/v1/completions", json={"prompt": prompt})
+        assert reply.json()["error"]["param"] == "prompt", reply.text
+
+
+def test_a_stream_that_fails_in_our_own_code_cancels_and_closes_the_engine_stream(
+    ray_session, monkeypatch
+):
+    """A failure that is not the engine's (here: formatting the second chunk) ends the
+    stream with an error event, cancels the request in the engine (it is still
+    running), counts it as an error once, and closes the engine's stream."""
+    from deployments import openai_api
+
+    shim, app = _app()
+    streams: list = []  # held here, so only an aclose (not the GC) closes the stream
+    astream = shim.engine.astream
+    shim.engine.astream = lambda req: streams.append(astream(req)) or streams[-1]
+    ended: list = []
+    shim.metrics.ended = lambda req, reason: ended.append(reason)
+    calls = []
+    delta = openai_api.Shape.delta
+
+    def flaky(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a formatting bug")
+        return delta(self, *args, **kwargs)
+
+    monkeypatch.setattr(openai_api.Shape, "delta", flaky)
+
+    async def go():
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cactus.test") as c:
+            reply = await c.post("/v1/completions", json={"prompt": "x", "stream": True})
+            # checked while the loop runs (asyncio.run would close it at its end)
+            return reply, streams[0].ag_frame is None
+
+    reply, closed = asyncio.run(go())
+    events = _events(reply)
+    assert events[-1]["error"]["type"] == "server_error", events
+    assert shim.engine.cancelled == [shim.engine.seen[-1].request_id]
+    assert ended == ["ERROR"] and closed

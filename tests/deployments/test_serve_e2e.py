@@ -400,8 +400,9 @@ def test_too_large_a_message_is_resource_exhausted(server):
 
 def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_prompt):
     """Past max_ongoing_requests + max_queued_requests a call gets RESOURCE_EXHAUSTED
-    (HTTP: 503); a client that retries it (README, the client's retries) gets in once
-    the queue has room, its first attempts refused; the service then serves as before.
+    (HTTP: 429 with Retry-After: 1, deployments/app.py); a client that retries it
+    (README, the client's retries) gets in once the queue has room, its first attempts
+    refused; the service then serves as before.
     The streams that fill it are greedy on a prompt with no EOS for 450 tokens, so none
     ends (and frees its slot) before the test cancels it."""
     codes: list = []
@@ -425,7 +426,8 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_
     while codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     # README: with the replica full, Serve's HTTP proxy queues up to max_queued_requests
-    # (its own queue: Serve bounds the queue per proxy) and answers 503 beyond that
+    # (its own queue: Serve bounds the queue per proxy) and answers 429 beyond that, with
+    # Retry-After (BackpressureConfig in deployments/app.py; Serve's default is 503)
     http_statuses = _http_burst(server, 3)
     retrying = server.client(retry=RetryPolicy(max_attempts=40, max_backoff_s=1.0))
     retried: dict = {}
@@ -444,8 +446,10 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_
             client.last_call.cancel()
     for t in [*threads, knocker]:
         t.join(timeout=120)
-    statuses = http_statuses()
-    assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+    replies = http_statuses()  # (status, its Retry-After header)
+    statuses = [status for status, _ in replies]
+    assert 429 in statuses and set(statuses) <= {200, 429}, replies
+    assert all(after == "1" for status, after in replies if status == 429), replies
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
     assert set(codes) <= {  # OK: a cancel Serve's proxy lost (README, "Cancellation")
         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -461,10 +465,11 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_
 
 def _http_burst(server, n: int):
     """n short completions over HTTP at once; returns, once the first answer is in (or
-    after 30 s), a function that waits for all of them and gives their statuses."""
+    after 30 s), a function that waits for all of them and gives their statuses, each
+    with its Retry-After header (None without one)."""
     import httpx2
 
-    statuses: list[int] = []
+    statuses: list[tuple[int, str | None]] = []
 
     def send(i):
         with httpx2.Client(timeout=300) as http:
@@ -473,7 +478,7 @@ def _http_burst(server, n: int):
                 json={"prompt": "def f():", "max_tokens": 2, "seed": i},
                 headers={"Authorization": f"Bearer {TOKEN}"},
             )
-        statuses.append(reply.status_code)
+        statuses.append((reply.status_code, reply.headers.get("retry-after")))
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
     for t in threads:
@@ -482,7 +487,7 @@ def _http_burst(server, n: int):
     while not statuses and time.monotonic() < deadline:
         time.sleep(0.1)
 
-    def wait() -> list[int]:
+    def wait() -> list[tuple[int, str | None]]:
         for t in threads:
             t.join(timeout=300)
         return statuses
