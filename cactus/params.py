@@ -146,7 +146,10 @@ def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
         if not isinstance(request.prompt, str):
             raise _invalid("prompt", "must be a string")
         if len(request.prompt) > limits.max_prompt_chars:
-            raise _invalid("prompt", f"longer than {limits.max_prompt_chars} characters")
+            raise _invalid(
+                "prompt",
+                f"longer than {limits.max_prompt_chars} characters, got {len(request.prompt)}",
+            )
         return
     ids = request.prompt_token_ids
     if len(ids) > limits.max_context - 1:  # at least one token must still fit
@@ -154,9 +157,12 @@ def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
             "prompt_token_ids",
             f"{len(ids)} tokens leave no room in max context {limits.max_context}",
         )
-    for tok in ids:
+    for i, tok in enumerate(ids):
         if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
-            raise _invalid("prompt_token_ids", f"ids must lie in [0, {limits.vocab_size})")
+            raise _invalid(
+                "prompt_token_ids",
+                f"ids must lie in [0, {limits.vocab_size}), got {tok!r} at index {i}",
+            )
 
 
 def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None) -> None:
@@ -174,7 +180,9 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
                 f"exceeds max context {limits.max_context}",
             )
     elif s.max_tokens > limits.max_context:
-        raise _invalid("max_tokens", f"exceeds max context {limits.max_context}")
+        raise _invalid(
+            "max_tokens", f"exceeds max context {limits.max_context}, got {s.max_tokens}"
+        )
     _finite_in("temperature", s.temperature, 0.0, 2.0)
     _finite_in("top_p", s.top_p, 0.0, 1.0, low_open=True)
     if not _is_int(s.top_k) or s.top_k < -1 or s.top_k > limits.vocab_size:
@@ -182,19 +190,25 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
     if s.seed is not None and (not _is_int(s.seed) or not 0 <= s.seed <= MAX_SEED):
         raise _invalid("seed", f"must be an integer in [0, 2^64 - 1], got {s.seed!r}")
     if len(s.stop) > MAX_STOP_STRINGS:
-        raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
     for text in s.stop:
         if not isinstance(text, str) or not text or len(text) > MAX_STOP_STRING_CHARS:
+            got = f"{len(text)} characters" if isinstance(text, str) else repr(text)
             raise _invalid(
-                "stop", f"stop strings must be non-empty, <= {MAX_STOP_STRING_CHARS} characters"
+                "stop",
+                f"stop strings must be non-empty, <= {MAX_STOP_STRING_CHARS} characters, got {got}",
             )
     if s.logprobs is not None and (not _is_int(s.logprobs) or not 0 <= s.logprobs <= MAX_LOGPROBS):
         raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {s.logprobs!r}")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise _invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+        raise _invalid(
+            "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(s.stop_token_ids)}"
+        )
     for tok in s.stop_token_ids:
         if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
-            raise _invalid("stop_token_ids", f"ids must lie in [0, {limits.vocab_size})")
+            raise _invalid(
+                "stop_token_ids", f"ids must lie in [0, {limits.vocab_size}), got {tok!r}"
+            )
 
 
 def _validate_speculation(sp: SpeculationParams, limits: Limits) -> None:

@@ -38,11 +38,31 @@ def _waiting_for(app) -> str:
     return "; ".join(notes) or app.status.value
 
 
-def wait_running(serve, app_name: str, stop: threading.Event, start: float) -> str:
+def lacking(bundles: list[dict], totals: dict) -> str:
+    """What one replica's bundles need that the whole cluster does not have (a custom
+    resource no node declares, more GPUs than there are); "" when the cluster has it
+    all (a replica then waits only for some of it to be free, or for a node with
+    enough of it at once)."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    short = [
+        f"{name} {amount:g} (the cluster has {totals.get(name, 0.0):g})"
+        for name, amount in sorted(need.items())
+        if totals.get(name, 0.0) < amount
+    ]
+    return "; a replica needs " + ", ".join(short) if short else ""
+
+
+def wait_running(
+    serve, app_name: str, stop: threading.Event, start: float, lacks=lambda: ""
+) -> str:
     """Wait until the application is RUNNING; returns "RUNNING", "DEPLOY_FAILED" (with
     Serve's message printed) or "stopped" (SIGINT / SIGTERM / `make stop` meanwhile).
-    Every WAITING_REPORT_S it prints what Serve says it waits for (a placement that
-    the cluster cannot satisfy waits for ever: Serve expects an autoscaler)."""
+    Every WAITING_REPORT_S it prints what Serve says it waits for, and `lacks()`: what
+    the cluster lacks altogether (a placement that the cluster cannot satisfy waits for
+    ever: Serve expects an autoscaler)."""
     reported = time.monotonic()
     while True:
         app = serve.status().applications.get(app_name)
@@ -57,7 +77,7 @@ def wait_running(serve, app_name: str, stop: threading.Event, start: float) -> s
         if time.monotonic() - reported >= WAITING_REPORT_S:
             reported = time.monotonic()
             waiting = _waiting_for(app) if app is not None else "the application to register"
-            print(f"starting for {reported - start:.0f}s, waiting: {waiting}", flush=True)
+            print(f"starting for {reported - start:.0f}s, waiting: {waiting}{lacks()}", flush=True)
 
 
 def _started_head(ray) -> bool:
@@ -144,7 +164,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app, start_serve
+    from deployments.app import build_app, replica_bundles, start_serve
 
     address = ray_address()
     try:
@@ -183,7 +203,10 @@ def main(argv=None) -> int:
         pid_path.write_text(str(os.getpid()))
         start_serve(config)
         serve._run(build_app(config), name=config.app_name, route_prefix="/", _blocking=False)
-        outcome = wait_running(serve, config.app_name, stop, start)
+        bundles = replica_bundles(config)
+        outcome = wait_running(
+            serve, config.app_name, stop, start, lambda: lacking(bundles, ray.cluster_resources())
+        )
         if outcome != "RUNNING":
             print(
                 f"{outcome}: the application {config.app_name!r} did not start "

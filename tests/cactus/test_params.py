@@ -111,6 +111,20 @@ def test_a_text_prompt_over_max_prompt_chars_is_refused_by_name():
     assert err.value.field == "prompt"
 
 
+def test_every_refusal_gives_the_value_it_refused():
+    """README: INVALID_ARGUMENT details give the field, the rule and the value (or the
+    count) that broke it; only a prompt that is missing has no value to give."""
+    import re
+
+    for field, request in BAD:
+        with pytest.raises(InvalidRequestError) as err:
+            validate_request(request, LIMITS)
+        message = str(err.value)
+        if "give exactly one" in message:
+            continue
+        assert re.search(r"got |'[^']+'|^\w+: \d+ tokens", message), (field, message)
+
+
 def test_tas_with_a_divergence_ceiling_is_refused():
     """tas ignores delta, so no ceiling could be kept: refused naming the field, not
     silently ignored (the other rules take one)."""

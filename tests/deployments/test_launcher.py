@@ -53,6 +53,9 @@ def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
             assert time.monotonic() < deadline, "".join(lines[-30:])
             time.sleep(0.5)
         assert pidfile(port).exists()  # written before the start: make stop finds it
+        # README: it says what it waits for, naming what no node of the cluster has
+        waiting = next(line for line in lines if line.startswith("starting for"))
+        assert "a replica needs nowhere 1 (the cluster has 0)" in waiting, waiting
         stopping = time.monotonic()
         stop = make("stop", f"PORT={port}")
         stop_out, _ = stop.communicate(timeout=120)
@@ -71,3 +74,14 @@ def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
         if proc.poll() is None:
             proc.kill()
         pidfile(port).unlink(missing_ok=True)
+
+
+def test_lacking_names_what_the_whole_cluster_does_not_have():
+    from deployments.serve import lacking
+
+    bundles = [{"CPU": 0.25}, {"CPU": 0.25, "nowhere": 1.0}, {"CPU": 1.0, "GPU": 2.0}]
+    totals = {"CPU": 2.0, "GPU": 1.0}
+    assert lacking(bundles, totals) == (
+        "; a replica needs GPU 2 (the cluster has 1), nowhere 1 (the cluster has 0)"
+    )
+    assert lacking(bundles, {"CPU": 1.5, "GPU": 2.0, "nowhere": 1.0}) == ""

@@ -318,6 +318,11 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "stream": "false"}, 400, "stream"),  # a string must not stream
         ({"prompt": [10**9]}, 400, "prompt"),  # token ids: named as sent, not prompt_token_ids
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "num_speculative_tokens": 0}, 400, "num_speculative_tokens"),
+        ({"prompt": "x", "echo": True}, 400, "echo"),  # README: refused, not ignored
+        ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+        ({"prompt": "x", "suffix": "}"}, 400, "suffix"),
+        ({"prompt": "x", "rule": "tas", "max_divergence_nats": 1.0}, 400, "max_divergence_nats"),
         ({"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),
         ({"prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
         ({"prompt": "x", "time_limit_s": -1}, 400, "time_limit_s"),

@@ -266,6 +266,31 @@ def test_the_ready_banner_says_where_it_listens(server):
             listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip)
     assert listening.get(server.http_port) == {"127.0.0.1"}, listening.get(server.http_port)
     assert listening.get(int(port)) and listening[int(port)] <= {"::", "0.0.0.0"}, listening
+    # serving.md: Ray's own ports on loopback. Every socket the server's process tree
+    # (the launcher, the Ray head it started, every worker) listens on is loopback, but
+    # the gRPC port, each Serve replica's inter-deployment server (README: `[::]:0`) and,
+    # with TP > 1, the verifier ranks' torch.distributed rendezvous store (README: it
+    # binds every interface, and must, for ranks on other nodes)
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    root = psutil.Process(server.proc.pid)
+    wild, wild_stores = [], []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name = " ".join(proc.cmdline())
+            conns = proc.net_connections(kind="tcp")
+        except psutil.Error:  # a short-lived process that has gone
+            continue
+        for conn in conns:
+            if conn.status != psutil.CONN_LISTEN or conn.laddr.ip in loopback:
+                continue
+            if conn.laddr.port == int(port) or "ServeReplica" in name:
+                continue
+            if "VerifierRank" in name:
+                wild_stores.append(conn.laddr.port)
+                continue
+            wild.append((conn.laddr.ip, conn.laddr.port, name[:80]))
+    assert not wild, wild
+    assert len(wild_stores) <= 1, wild_stores  # one store, on rank 0 (the master port)
 
 
 def test_health_and_model_info(server):
@@ -346,6 +371,10 @@ def test_validation_table_then_a_good_request(server):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value)
             assert err.value.details().startswith(field), err.value.details()
             assert "Traceback" not in err.value.details()
+            # README: the field, the rule and the value that broke it (a missing prompt
+            # has no value to give)
+            details = err.value.details()
+            assert re.search(r"got |'[^']+'|give exactly one", details), details
     # a 0 sent in the message (proto3 optional: not unset) is refused, not the default
     for part, field in (("sampling", "max_tokens"), ("speculation", "num_speculative_tokens")):
         msg = client.request("def f(x):")
@@ -564,6 +593,51 @@ def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
     _stops_in_three_tries(server, leave_early)
 
 
+def test_a_cancelled_stream_leaves_its_batch_neighbour_unchanged(
+    server, long_prompt, embedded_engine, heldout_prompts
+):
+    """README: a cancel stops that request and the other requests of its batch go on
+    unchanged. A greedy neighbour runs beside the stream that is cancelled, in the same
+    engine steps, and gives exactly the in-process engine's tokens (tries as above)."""
+    import threading
+
+    client = server.client()
+    neighbour = heldout_prompts[4]
+    kw = {"max_tokens": 160, "temperature": 0.0, "rule": "sps"}
+    want = embedded_engine.generate(
+        GenerationRequest(
+            prompt=neighbour,
+            sampling=SamplingParams(max_tokens=160, temperature=0.0),
+            speculation=SpeculationParams(rule="sps"),
+        )
+    ).token_ids
+
+    def beside_a_cancel() -> bool:
+        got: list[int] = []
+        streamed = threading.Event()
+
+        def run() -> None:
+            for chunk in client.stream(neighbour, **kw):
+                got.extend(chunk.token_ids)
+                streamed.set()
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        assert streamed.wait(60), "the neighbour sent nothing"
+        running = False
+        for i, _chunk in enumerate(client.stream(long_prompt, **TRY_KW)):
+            if i == 2:
+                running = worker.is_alive()
+                break  # the cancel, while the neighbour runs
+        worker.join(timeout=60)
+        assert running, "the neighbour ended before the cancel: nothing was shown"
+        assert not worker.is_alive()
+        assert got == list(want), "the neighbour's tokens changed"
+        return _caches_free(server, within_s=20.0)
+
+    _stops_in_three_tries(server, beside_a_cancel)
+
+
 def _stops_in_three_tries(server, leave_early) -> None:
     """`leave_early()` starts a long stream, cancels it and says whether the caches were
     freed within 20 s. Ray Serve's proxy may lose a cancel (see above), so up to three
@@ -694,6 +768,13 @@ def test_reflection_lists_the_services_and_health_is_the_standard_one(server):
         assert check.status == health_pb2.HealthCheckResponse.SERVING
         listed = stub.List(health_pb2.HealthListRequest(), metadata=auth)
         assert set(listed.statuses) >= {"cactus.v1.Cactus"}
+        # README: the health service stays open without a token (probes send none), for
+        # every name it answers, the standard service's own name included
+        unauthenticated = stub.List(health_pb2.HealthListRequest(), timeout=30)
+        assert set(unauthenticated.statuses) >= {"cactus.v1.Cactus", "grpc.health.v1.Health"}
+        for service in ("", "cactus.v1.Cactus", "grpc.health.v1.Health"):
+            plain = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert plain.status == health_pb2.HealthCheckResponse.SERVING, service
         with pytest.raises(grpc.RpcError) as err:
             stub.Check(health_pb2.HealthCheckRequest(service="nope.v1.X"), metadata=auth)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -109,6 +109,24 @@ def test_a_grpc_call_past_the_server_limit_is_deadline_exceeded_and_stops(
         assert steps < MAX_TOKENS, f"{steps} steps: the request ran on past the limit"
 
 
+def test_a_grpc_time_limit_ends_the_request_with_time_limit(timeout_server, heldout_prompts):
+    """README / serving.md: a request's own `time_limit_s` (below the server's limit)
+    ends it with its tokens so far and finish_reason TIME_LIMIT, unary and streamed,
+    through Serve's real gRPC proxy; its rows are freed."""
+    client = timeout_server.client(token=TOKEN, retry=NO_RETRY)
+    prompt = heldout_prompts[9]
+    started = time.monotonic()
+    unary = client.generate(prompt, time_limit_s=0.5, timeout=60, **KW)
+    assert time.monotonic() - started < LIMIT_S, "the server's limit ended it, not its own"
+    assert unary.finish_reason == "TIME_LIMIT", unary.finish_reason
+    assert 0 < len(unary.token_ids) < MAX_TOKENS, len(unary.token_ids)
+    chunks = list(client.stream(prompt, time_limit_s=0.5, timeout=60, **KW))
+    assert chunks[-1].finish_reason == "TIME_LIMIT", chunks[-1]
+    streamed = sum(len(c.token_ids) for c in chunks)
+    assert 0 < streamed < MAX_TOKENS, streamed
+    _assert_caches_freed(timeout_server, within_s=30.0)
+
+
 def test_an_http_request_past_the_server_limit_ends_with_length(timeout_server, heldout_prompts):
     """Unary: 200, finish_reason "length", fewer tokens than max_tokens. Streamed: the
     last choice chunk says "length", the usage chunk and `data: [DONE]` follow. A

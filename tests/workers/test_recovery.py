@@ -354,15 +354,15 @@ def test_hung_actors_are_declared_dead_by_their_probe(
     prompts = _prompts(embedded_engine, heldout_prompts[2:], 2)
     reqs = [_req(p, f"hung{i}", temperature=0.0, max_tokens=600) for i, p in enumerate(prompts)]
     stopped_pids: list[int] = []
-
-    def pid_of(actor) -> int:
-        return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+    stopped_idents: list[dict] = []
 
     async def hang(actor, counter: str, done) -> tuple[float, float]:
         """SIGSTOP the actor's process: seconds until the supervisor acts on it, and
         until `done()` (the actor replaced and working)."""
-        pid = pid_of(actor)
+        ident = ray.get(actor.__ray_call__.remote(lambda _self: identity()))
+        pid = ident["pid"]
         stopped_pids.append(pid)
+        stopped_idents.append(ident)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         while not sup.counters[counter] and time.monotonic() - stopped < 30:
@@ -407,6 +407,10 @@ def test_hung_actors_are_declared_dead_by_their_probe(
             assert stats.degraded and stats.resumed >= 1
         assert sup.counters["draft_restarts"] == 1 and sup.counters["rank_restarts"] == 1
         assert sup.state == "SERVING"
+        # README: the hung processes are SIGKILLed (workers/processes.py), not left
+        # stopped beside their replacements (checked before the cleanup's SIGCONT)
+        assert len(stopped_idents) == 2
+        assert not any(is_running(ident) for ident in stopped_idents), stopped_idents
         print(f"hung draft: noticed, working again after {draft_s} s; hung rank 0: {rank_s} s")
     finally:
         for pid in stopped_pids:
