@@ -85,3 +85,45 @@ def test_lacking_names_what_the_whole_cluster_does_not_have():
         "; a replica needs GPU 2 (the cluster has 1), nowhere 1 (the cluster has 0)"
     )
     assert lacking(bundles, {"CPU": 1.5, "GPU": 2.0, "nowhere": 1.0}) == ""
+
+
+def test_wait_running_reports_a_failed_deploy_with_serves_message(capsys, monkeypatch):
+    """README: a deploy that fails (a replica's constructor raising) exits 1 with Serve's
+    message. The launcher's wait, on Serve's own status objects: DEPLOYING (reported
+    with what the cluster lacks), then DEPLOY_FAILED with the deployment's message;
+    RUNNING ends the wait; a stop ends it at once."""
+    from types import SimpleNamespace
+
+    from ray.serve.schema import ApplicationStatus
+
+    import deployments.serve as launcher
+
+    monkeypatch.setattr(launcher, "WAITING_REPORT_S", 0.0)
+
+    def app(status, message=""):
+        deployment = SimpleNamespace(message=message)
+        return SimpleNamespace(status=status, message="", deployments={"CactusIngress": deployment})
+
+    class FakeServe:
+        def __init__(self, *apps):
+            self.apps = list(apps)
+
+        def status(self):
+            current = self.apps.pop(0) if len(self.apps) > 1 else self.apps[0]
+            return SimpleNamespace(applications={"cactus": current})
+
+    boom = "the replica's constructor raised: OSError: no weights in models/verifier"
+    serve = FakeServe(app(ApplicationStatus.DEPLOYING), app(ApplicationStatus.DEPLOY_FAILED, boom))
+    outcome = launcher.wait_running(
+        serve, "cactus", threading.Event(), time.monotonic(), lambda: "; a replica needs x 1"
+    )
+    out, err = capsys.readouterr()
+    assert outcome == "DEPLOY_FAILED"
+    assert f"deploy failed: CactusIngress: {boom}" in err, err
+    assert "waiting: DEPLOYING; a replica needs x 1" in out, out
+    running = FakeServe(app(ApplicationStatus.RUNNING))
+    assert launcher.wait_running(running, "cactus", threading.Event(), 0.0) == "RUNNING"
+    stop = threading.Event()
+    stop.set()
+    waiting = FakeServe(app(ApplicationStatus.DEPLOYING))
+    assert launcher.wait_running(waiting, "cactus", stop, 0.0) == "stopped"
