@@ -230,8 +230,8 @@ def _validate_speculation(sp: SpeculationParams, limits: Limits) -> None:
         if sp.rule == "tas":  # tas has no delta to drop: a ceiling could not be kept
             raise _invalid(
                 "max_divergence_nats",
-                "rule 'tas' has no divergence budget (it ignores delta); "
-                "use cactus or cactus_exact for a ceiling",
+                "rule 'tas' has no divergence budget (it ignores delta); use cactus or "
+                f"cactus_exact for a ceiling, got {sp.max_divergence_nats!r}",
             )
     _finite_in("tas_threshold", sp.tas_threshold, 0.0, 1.0, low_open=True)
     if sp.tas_alpha is not None:

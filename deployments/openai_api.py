@@ -210,7 +210,7 @@ def _check_stream_options(body: dict) -> None:
         return
     if not isinstance(options, dict):
         raise InvalidRequestError("stream_options", "must be an object")
-    if options and not body.get("stream"):
+    if any(v is not None for v in options.values()) and not body.get("stream"):
         raise InvalidRequestError("stream_options", "only allowed with stream: true")
     for name, value in options.items():
         if name not in STREAM_OPTIONS and value is not None:

@@ -5,7 +5,7 @@ their own rule, delta, typical-acceptance threshold and divergence budget; rows 
 K_i = 0 are plain decoding steps. Drafts travel flattened with per-row counts, as in
 vLLM V1 (`cu_num_draft_tokens`); see `kernels.metadata.RaggedMetadata` for the layout.
 
-`ragged_accept` groups the rows that share (K, rule, tas threshold), runs ONE
+`ragged_accept` groups the rows that share (K, rule, tas threshold and alpha), runs ONE
 `speculative_accept` per group on [G, K, V] tensors (a view, not a copy, when the
 group's rows are consecutive) and scatters the results back in row order. Every row's
 result is bit-identical to verifying that row alone with the same uniforms, and a

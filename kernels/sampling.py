@@ -29,16 +29,20 @@ def _per_row(value: float | torch.Tensor, rows: int, *, dtype, device) -> torch.
     return t.expand(rows) if t.dim() == 0 else t
 
 
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+
+
 def processed_probs(
     logits: torch.Tensor,  # [B, ..., V]
     *,
-    temperature: float | torch.Tensor = 1.0,  # scalar or [B]; 0 = greedy
+    temperature: float | torch.Tensor = 1.0,  # scalar or [B]; 0 (below GREEDY_EPS) = greedy
     top_k: int | torch.Tensor = 0,  # scalar or [B]; 0 or -1 = off
     top_p: float | torch.Tensor = 1.0,  # scalar or [B]; in (0, 1]
 ) -> torch.Tensor:  # [B, ..., V] float32
     """Turn logits into the distribution a request samples from.
 
-    Temperature 0 gives a one-hot row at the argmax (greedy). top_p keeps the smallest
+    Temperature 0 gives a one-hot row at the argmax (greedy), and so does any temperature
+    below GREEDY_EPS, as in vLLM: logits / 1e-40 overflow float32. top_p keeps the smallest
     prefix of the sorted probabilities whose sum reaches top_p.
     """
     batch, vocab = logits.shape[0], logits.shape[-1]
@@ -59,14 +63,14 @@ def processed_probs(
     # [1, 5, 8192] on one thread, the per-step cost of K = 4 at top_k 20).
     width = int(host_k.max()) if bool(host_k_on.all()) else vocab
 
-    greedy = temp <= 0  # [B]
+    greedy = temp < GREEDY_EPS  # [B]
     safe_temp = torch.where(greedy, torch.ones_like(temp), temp)[:, None, None]
     if truncate:
         probs = _truncate(flat, safe_temp, top_k=k, top_p=p, width=width)
     else:
         probs = torch.softmax(flat / safe_temp, dim=-1)
     # Two more [B, R, V] passes only when some row is greedy (decided on the host copy).
-    if bool((torch.as_tensor(temperature).cpu() <= 0).any()):
+    if bool((torch.as_tensor(temperature).cpu() < GREEDY_EPS).any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs.reshape(logits.shape)

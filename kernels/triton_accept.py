@@ -5,7 +5,9 @@ gathered q_n, p_n, float64 arithmetic), then makes two passes over ONE [V] row: 
 residual max(0, h - p) of the first rejected position, or q at the bonus row. Pass one
 sums it in float64, pass two finds the first index whose running sum exceeds u * total,
 the same inverse CDF as `kernels.sampling.inverse_cdf_sample`. For the same uniforms it
-emits the same tokens as the torch path (tested on CPU through TRITON_INTERPRET=1).
+emits the same tokens as the torch path (tested on CPU through TRITON_INTERPRET=1) but
+where a uniform lands within rounding of a token's edge: it sums a row's mass in float64,
+the torch path per block in float32.
 
 Import this module only when the Triton path is wanted (`kernels.speculative_accept`
 does so lazily for CUDA tensors): it imports triton, and TRITON_INTERPRET is read when

@@ -569,6 +569,9 @@ def test_a_stream_carries_a_usage_chunk_only_when_asked(ray_session, route):
     for options in (None, {"include_usage": None, "include_obfuscation": None}):
         events = _events(_raw(app, "POST", route, json={**base, "stream_options": options}))
         assert all("usage" not in e for e in events), events
+        # ...also beside a request that does not stream (only a set key needs stream)
+        plain = _raw(app, "POST", route, json={**base, "stream": False, "stream_options": options})
+        assert plain.status_code == 200, plain.text
 
 
 def test_configured_temperature_and_k_fill_unset_http_fields(ray_session):

@@ -26,6 +26,7 @@ import yaml
 
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from client import NO_RETRY, CactusClient, RetryPolicy
+from tests.cactus.test_params import refused_forms
 from tests.conftest import embedded_dirs
 from workers.tp_verifier import free_port
 
@@ -273,24 +274,33 @@ def test_the_ready_banner_says_where_it_listens(server):
     # binds every interface, and must, for ranks on other nodes)
     loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
     root = psutil.Process(server.proc.pid)
-    wild, wild_stores = [], []
+    wild, seen = [], {"ServeReplica": 0, "VerifierRank": 0, "raylet": 0, "gcs_server": 0}
+    stores, replica_ports = [], {}
     for proc in [root, *root.children(recursive=True)]:
         try:
             name = " ".join(proc.cmdline())
             conns = proc.net_connections(kind="tcp")
         except psutil.Error:  # a short-lived process that has gone
             continue
+        for kind in seen:
+            seen[kind] += kind in name
         for conn in conns:
             if conn.status != psutil.CONN_LISTEN or conn.laddr.ip in loopback:
                 continue
-            if conn.laddr.port == int(port) or "ServeReplica" in name:
+            if conn.laddr.port == int(port):
                 continue
-            if "VerifierRank" in name:
-                wild_stores.append(conn.laddr.port)
-                continue
-            wild.append((conn.laddr.ip, conn.laddr.port, name[:80]))
+            if "ServeReplica" in name:
+                replica_ports.setdefault(proc.pid, []).append(conn.laddr.port)
+            elif "VerifierRank" in name:
+                stores.append(conn.laddr.port)
+            else:
+                wild.append((conn.laddr.ip, conn.laddr.port, name[:80]))
+    # the census saw the whole server: the Ray head and both kinds of actor processes
+    assert all(seen.values()), seen
     assert not wild, wild
-    assert len(wild_stores) <= 1, wild_stores  # one store, on rank 0 (the master port)
+    assert len(stores) == 1, stores  # TP = 2: one rendezvous store, on rank 0
+    # one inter-deployment server per replica process, nothing else
+    assert all(len(ports) == 1 for ports in replica_ports.values()), replica_ports
 
 
 def test_health_and_model_info(server):
@@ -374,7 +384,9 @@ def test_validation_table_then_a_good_request(server):
             # README: the field, the rule and the value that broke it (a missing prompt
             # has no value to give)
             details = err.value.details()
-            assert re.search(r"got |'[^']+'|give exactly one", details), details
+            if "give exactly one" not in details:
+                shown = refused_forms(kw.get(field, prompt))
+                assert any(form in details for form in shown), (details, shown)
     # a 0 sent in the message (proto3 optional: not unset) is refused, not the default
     for part, field in (("sampling", "max_tokens"), ("speculation", "num_speculative_tokens")):
         msg = client.request("def f(x):")

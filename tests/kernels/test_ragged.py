@@ -361,9 +361,10 @@ def _cpu(kw: dict) -> dict:
 
 def test_per_row_tas_alphas_split_their_group_and_each_row_keeps_its_own():
     """tas rows 4 and 12 share K and threshold; given different alphas (a tuple, one per
-    row) they verify apart, each bit-identical to verifying it alone with its alpha."""
-    batch = make_batch(ROWS, 5)
-    alphas = tuple({4: 0.0, 8: 1.0, 12: None}.get(i) for i in range(len(ROWS)))
+    row: 50, a cut-off of epsilon, and None) they verify apart, each bit-identical to
+    verifying it alone with its alpha."""
+    batch = make_batch(ROWS, 0)
+    alphas = tuple({4: 50.0, 8: 0.0, 12: None}.get(i) for i in range(len(ROWS)))
     got = ragged_accept(*batch.flat(), dataclasses.replace(batch.metadata, tas_alpha=alphas))
     m = batch.metadata
     for i in (4, 8, 12):
@@ -383,3 +384,6 @@ def test_per_row_tas_alphas_split_their_group_and_each_row_keeps_its_own():
     for i in range(len(ROWS)):
         if i not in (4, 8):
             assert torch.equal(got.output_token_ids[i], same.output_token_ids[i]), i
+    # and the alphas given did change both rows (else a kernel ignoring them would pass)
+    for i in (4, 8):
+        assert not torch.equal(got.output_token_ids[i], same.output_token_ids[i]), i

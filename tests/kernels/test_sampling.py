@@ -100,3 +100,17 @@ def test_inverse_cdf_edges():
     u1 = torch.full((3,), 1 - 2**-53, dtype=torch.float64)
     assert inverse_cdf_sample(weights, u0).tolist() == [2, 0, 1]
     assert inverse_cdf_sample(weights, u1).tolist() == [2, 1, 3]
+
+
+def test_a_temperature_below_greedy_eps_is_greedy_not_an_overflow():
+    """logits / 1e-40 overflow float32 (inf - inf = NaN in the softmax): a temperature
+    below GREEDY_EPS (vLLM's _SAMPLING_EPS) samples the argmax, as temperature 0 does."""
+    from kernels.sampling import GREEDY_EPS
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, 0.1, 0.2, 0.3]])
+    for temperature in (1e-40, GREEDY_EPS / 2, torch.tensor([1e-40, 0.0])):
+        probs = processed_probs(logits, temperature=temperature)
+        assert torch.isfinite(probs).all(), temperature
+        assert torch.equal(probs, torch.eye(4)[[1, 0]]), (temperature, probs)
+    warm = processed_probs(logits, temperature=GREEDY_EPS * 10)  # sampled, not one-hot
+    assert torch.isfinite(warm).all() and torch.equal(warm.argmax(-1), torch.tensor([1, 0]))

@@ -329,7 +329,13 @@ def test_a_request_that_reached_its_divergence_ceiling_stays_lossless(
     def recording(ids, draft, target, metadata, **kw):
         result = real(ids, draft, target, metadata, **kw)
         if metadata.num_draft_tokens and metadata.num_draft_tokens[0]:
-            seen.append((float(metadata.delta[0]), bool(result.budget_exhausted[0])))
+            seen.append(
+                (
+                    float(metadata.delta[0]),
+                    bool(result.budget_exhausted[0]),
+                    float(result.divergence_nats[0]),
+                )
+            )
         return result
 
     monkeypatch.setattr(engine_module, "ragged_accept", recording)
@@ -340,15 +346,30 @@ def test_a_request_that_reached_its_divergence_ceiling_stays_lossless(
         speculation=replace(req.speculation, max_divergence_nats=0.3),
     )
     result = _result(_run_together(embedded_engine, [req])["capped"])
-    spent = next(i for i, (_, exhausted) in enumerate(seen) if exhausted)
+    spent = next(i for i, (_, exhausted, _) in enumerate(seen) if exhausted)
     assert spent + 1 < len(seen), "the budget was spent at the last step: nothing to see"
-    assert all(delta == 1.0 for delta, _ in seen[: spent + 1]), seen
-    assert all(delta == 0.0 for delta, _ in seen[spent + 1 :]), seen
+    assert all(delta == 1.0 for delta, _, _ in seen[: spent + 1]), seen
+    assert all(delta == 0.0 and div == 0.0 for delta, _, div in seen[spent + 1 :]), seen
     assert result.stats.divergence_capped and result.stats.divergence_nats <= 0.3 + 1e-9
+    assert result.stats.divergence_nats == pytest.approx(sum(d for _, _, d in seen))
+    # resumed on a rebuilt engine (the supervisor hands over the stats so far): the
+    # spent budget stays spent from the new attempt's first step
+    seen.clear()
+    resumed = replace(
+        req,
+        request_id="capped-resumed",
+        resume_token_ids=tuple(result.token_ids[:10]),
+        resume_stats=result.stats.as_dict(),
+    )
+    again = _result(_run_together(embedded_engine, [resumed])["capped-resumed"])
+    assert seen and all(delta == 0.0 and div == 0.0 for delta, _, div in seen), seen
+    assert again.stats.divergence_capped
+    assert again.stats.divergence_nats == result.stats.divergence_nats
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_request_whose_logits_are_not_finite_fails_alone(
-    embedded_engine, heldout_prompts, monkeypatch
+    embedded_engine, heldout_prompts, monkeypatch, bad
 ):
     """A NaN in one request's verifier logits (a float16 overflow, say) ends that request
     with ModelOutputError, never a silent garbage token; the other rows of its batch give
@@ -367,7 +388,7 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(
         if len(calls) == 3:  # a decode step with every request in it
             i = [rid for rid, _ in rows].index("r1")
             logits[i] = logits[i].clone()
-            logits[i][-1, 5] = float("nan")
+            logits[i][-1, 5] = bad
         return logits
 
     monkeypatch.setattr(verifier, "score", poisoned)
