@@ -60,16 +60,16 @@ bench-batch: setup
 
 # OpenAI HTTP vs gRPC: single-stream tokens/s through the same server.
 bench-http: setup
-	$(PY) -m benchmarks.bench_http $(if $(QUICK),--quick,)
+	$(PY) -m benchmarks.bench_http $(if $(filter 1 yes true,$(QUICK)),--quick,)
 
 # Engine actors killed under 8 streaming clients: lost/duplicated tokens, recovery times.
 bench-chaos: setup
-	$(PY) -m benchmarks.bench_chaos $(if $(QUICK),--quick,)
+	$(PY) -m benchmarks.bench_chaos $(if $(filter 1 yes true,$(QUICK)),--quick,)
 
 # The goodput speculation policy vs fixed K = 0..8, served, at 1/4/8/16 clients (plot: .cache/policy.png).
 bench-policy: setup
 	@mkdir -p $(CACHE)
-	$(PY) -m benchmarks.bench_policy $(if $(QUICK),--quick,) --plot $(CACHE)/policy.png
+	$(PY) -m benchmarks.bench_policy $(if $(filter 1 yes true,$(QUICK)),--quick,) --plot $(CACHE)/policy.png
 
 # On a GPU machine (never run on the CPU CI): the CUDA tests (engine, Triton vs torch at
 # V = 151,936, a TP = 1 group on one GPU), then the in-process batch sweep on CUDA.
@@ -81,7 +81,7 @@ gpu-check: setup
 # Everything, with plots: benchmarks/results/<date>-<host>.md (+ PNGs). QUICK=1: < 10 min (8.6
 # here), written to <date>-<host>-quick.md.
 bench: setup
-	$(PY) -m benchmarks.run $(if $(QUICK),--quick,)
+	$(PY) -m benchmarks.run $(if $(filter 1 yes true,$(QUICK)),--quick,)
 
 CONFIG ?= configs/default.yaml
 # The gRPC port: PORT= if given, else the config's grpc_port (9000 in the shipped configs).

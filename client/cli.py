@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from cactus import environment
 from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
@@ -121,6 +122,9 @@ def client(args) -> int:
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    except ValueError as err:  # a value protobuf cannot hold (a negative max_tokens)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -174,11 +178,16 @@ def generate(args) -> int:
     _quiet()
     import torch
 
-    from cactus.errors import InvalidRequestError
+    from cactus.errors import CactusError, InvalidRequestError
     from workers.local import local_engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    for name in ("verifier", "draft"):
+        if not Path(getattr(args, name)).is_dir():
+            # else transformers, offline, says it "couldn't connect to huggingface.co"
+            print(f"error: --{name}: no such folder: {getattr(args, name)}", file=sys.stderr)
+            return 2
     try:
         request = build_request(args)
         if args.backend == "ray":
@@ -189,6 +198,9 @@ def generate(args) -> int:
     except (InvalidRequestError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except CactusError as err:  # the engine did not start (EngineStartError), ...
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     if args.stream:
         print()
     if args.json:
@@ -214,7 +226,9 @@ def _run_ray(args, request):
 
     from workers.group import EngineGroup, GroupConfig
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address "local": a head of its own, never a `ray start` cluster recorded on this
+    # machine (which may be gone: Ray would dial it for minutes)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     group = None
     try:
         group = EngineGroup(

@@ -126,7 +126,11 @@ class AuthConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    max_ongoing_requests: Int = doc("requests a replica works on at once", 8)
+    max_ongoing_requests: Int = doc(
+        "requests a replica works on at once (= batching.max_num_seqs by default: every "
+        "one has a row of the engine's batch)",
+        32,
+    )
     max_queued_requests: Int = doc(
         "requests waiting per caller (each Serve proxy or handle, so per node with "
         "proxy_location EveryNode); beyond: RESOURCE_EXHAUSTED (HTTP: 429, Retry-After 1)",

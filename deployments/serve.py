@@ -80,6 +80,15 @@ def wait_running(
             print(f"starting for {reported - start:.0f}s, waiting: {waiting}{lacks()}", flush=True)
 
 
+def _missing_model_folders(config) -> list[str]:
+    """models.verifier / models.draft that are not folders on this machine."""
+    return [
+        f"models.{name}: no such folder: {folder}"
+        for name, folder in (("verifier", config.models.verifier), ("draft", config.models.draft))
+        if not Path(folder).is_dir()
+    ]
+
+
 def _started_head(ray) -> bool:
     """ray.init started the Ray head in this process (no cluster to join). Ray's private
     node object (ray._private.worker._global_node) is the only place that says so."""
@@ -187,6 +196,14 @@ def main(argv=None) -> int:
             "RAY_ADDRESS=local to start a head of its own",
             file=sys.stderr,
         )
+        return 2
+    missing = _missing_model_folders(config) if _started_head(ray) else []
+    if missing:
+        # on its own head every actor runs here: a folder that is not here fails every
+        # replica later, with transformers' "couldn't connect to huggingface.co"
+        # (offline mode); on a joined cluster the folders need only be on the nodes
+        print(f"config error: {'; '.join(missing)}", file=sys.stderr)
+        ray.shutdown()
         return 2
     # After ray.init, which replaces a driver's SIGTERM handler with sys.exit: SIGTERM
     # (docker stop, Kubernetes, systemd) must drain as Ctrl-C and `make stop` do.

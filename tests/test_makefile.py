@@ -214,3 +214,19 @@ def test_every_make_target_the_readme_names_exists_and_its_benchmark_takes_its_f
             helps[module] = shown.stdout
         for flag in flags:
             assert flag in helps[module], (module, flag)
+
+
+def test_quick_is_on_only_when_set_to_a_yes():
+    """`QUICK=1` (or yes / true) runs a benchmark in its quick mode; `QUICK=0` and an
+    unset QUICK do not (make's `$(if ...)` alone took any value, 0 included, for on)."""
+    for quick, want in (([], False), (["QUICK=0"], False), (["QUICK=1"], True)):
+        dry = subprocess.run(
+            ["make", "-n", "bench-policy", *quick],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=os.environ.copy(),
+            timeout=60,
+        )
+        assert dry.returncode == 0, dry.stderr
+        assert ("--quick" in dry.stdout) == want, (quick, dry.stdout)

@@ -122,3 +122,23 @@ def test_client_command_sends_unset_fields_and_reads_zero_as_unset(recorder, cap
         ["\n"],
     )
     assert msg.sampling.max_tokens == 9
+
+
+def test_client_values_protobuf_cannot_hold_are_an_error_not_a_traceback(capsys):
+    """A negative max_tokens, K or seed cannot go into the message's unsigned fields:
+    `cactus client` says so and exits 2 (no server is needed to find out)."""
+    from client.cli import main
+
+    for flags in (["--max-tokens", "-1"], ["-K", "-1"], ["--seed", "-1"]):
+        code = main(["client", "--address", "127.0.0.1:1", "--prompt", "x", *flags])
+        err = capsys.readouterr().err
+        assert code == 2, (flags, err)
+        assert err.startswith("error: ") and "Traceback" not in err, err
+
+
+def test_generate_names_a_model_folder_that_is_not_there(tmp_path, capsys):
+    from client.cli import main
+
+    missing = tmp_path / "nope"
+    assert main(["generate", "--prompt", "x", "--verifier", str(missing)]) == 2
+    assert f"--verifier: no such folder: {missing}" in capsys.readouterr().err

@@ -256,3 +256,60 @@ def test_served_model_names_must_be_distinct_and_plain(names):
     with pytest.raises(ConfigError, match=r"models\.served_model_name"):
         from_dict({"models": {"served_model_name": names}})
     assert from_dict({"models": {"served_model_name": ["a", "b/c"]}}).models.served_model_name
+
+
+def test_the_readmes_cluster_steps_fit_the_cluster_example():
+    """README (Configuration): the message-size variable it exports is the example's
+    limits.max_message_bytes, and the draft node's `draft_node` units and the verifier
+    GPUs it names hold max_replicas replicas (a short draft node leaves autoscaled
+    replicas waiting for ever: Serve has no autoscaler)."""
+    import re
+
+    config = load_config(REPO / "configs" / "cluster.yaml")
+    readme = (REPO / "README.md").read_text()
+    sizes = set(re.findall(r"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=(\d+)", readme))
+    assert sizes == {str(config.limits.max_message_bytes)}, sizes
+    units = re.search(r"--resources '\{\"draft_node\": (\d+)\}'", readme)
+    replicas = config.autoscaling.max_replicas
+    assert (
+        units and int(units.group(1)) == replicas * config.resources.draft.resources["draft_node"]
+    )
+    gpus = config.tp_size * config.resources.verifier_rank.num_gpus
+    assert f"{gpus:g} GPUs per replica" in readme
+    # a GPU config bounds its KV cache (null: max_num_seqs x a 40,960-token context)
+    for name in ("default", "cluster"):
+        c = load_config(REPO / "configs" / f"{name}.yaml")
+        assert c.models.device != "cuda" or c.batching.kv_budget_tokens is not None, name
+
+
+def test_the_defaults_give_every_ongoing_request_a_row():
+    """A config with only `models:` takes the schema's defaults: as many requests in
+    flight per replica as the engine batches (a lower max_ongoing_requests left rows
+    idle: 8 of 32)."""
+    config = from_dict({"models": {"verifier": "v", "draft": "d"}})
+    assert config.limits.max_ongoing_requests >= config.batching.max_num_seqs
+
+
+def test_serve_refuses_model_folders_that_are_not_there_on_its_own_head(tmp_path):
+    """On a Ray head the launcher starts, every actor runs on this machine: a model
+    folder that is not here is a config error naming it (exit 2), not a replica that
+    fails later with transformers' offline "couldn't connect to huggingface.co"."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "missing.yaml"
+    path.write_text(yaml.safe_dump({"models": {"verifier": str(tmp_path / "nope")}}))
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.serve", "--config", str(path), "--num-cpus", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "RAY_ADDRESS": "local"},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"models.verifier: no such folder: {tmp_path / 'nope'}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "READY" not in out.stdout
