@@ -285,10 +285,10 @@ def _final_tokens(row: _FinalRow, u_final: torch.Tensor, vocab: int) -> torch.Te
 
     def block_weights(blk: torch.Tensor) -> torch.Tensor:
         cols = block_columns(blk, block)
-        valid = cols < vocab
-        w = row.weights(cols.clamp(max=vocab - 1))
+        valid, cols = cols < vocab, cols.clamp(max=vocab - 1)
+        w = row.weights(cols)
         if any_empty:
-            w = torch.where(empty, row.weights(cols.clamp(max=vocab - 1), residual=False), w)
+            w = torch.where(empty, row.weights(cols, residual=False), w)
         return torch.where(valid, w, 0.0)
 
     return sample_from_blocks(mass, u_final, block_weights, block=block)

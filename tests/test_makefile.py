@@ -12,6 +12,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _dry_run(*args: str) -> str:
+    """`make -n ARGS`: what make would run (it must resolve)."""
+    out = subprocess.run(
+        ["make", "-n", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=60,
+    )
+    assert out.returncode == 0, (args, out.stderr)
+    return out.stdout
+
+
 def _make_stop(port: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["make", "-s", "stop", f"PORT={port}", *extra],
@@ -137,10 +151,7 @@ def test_make_stops_wait_is_bounded_by_the_configs_drain_time(tmp_path):
     cfg.write_text("grpc_port: 59938\nrecovery:\n  drain_timeout_s: 5\n")
 
     def bound(*args: str) -> str:
-        dry = subprocess.run(
-            ["make", "-n", "stop", *args], cwd=REPO, capture_output=True, text=True
-        )
-        return dry.stdout
+        return _dry_run("stop", *args)
 
     assert "-ge 65 ]" in bound(f"CONFIG={cfg}")
     assert "-ge 90 ]" in bound("PORT=59938")  # configs/default.yaml: 30 s
@@ -154,16 +165,7 @@ def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path
     config.write_text("grpc_port: 59934\nhttp_port: 59935\n")
 
     def dry(*args: str) -> str:
-        out = subprocess.run(
-            ["make", "-n", *args, f"CONFIG={config}"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            env=os.environ.copy(),
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        return out.stdout
+        return _dry_run(*args, f"CONFIG={config}")
 
     serve = [ln for ln in dry("serve").splitlines() if "deployments.serve" in ln]
     assert serve and "--port" not in serve[-1] and "--http-port" not in serve[-1], serve
@@ -185,16 +187,7 @@ def test_every_make_target_the_readme_names_exists_and_its_benchmark_takes_its_f
     commands: set[tuple[str, tuple[str, ...]]] = set()
     for target in targets:
         for quick in ([], ["QUICK=1"]):
-            dry = subprocess.run(
-                ["make", "-n", target, *quick],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                env=os.environ.copy(),
-                timeout=60,
-            )
-            assert dry.returncode == 0, (target, dry.stderr)
-            for line in dry.stdout.splitlines():
+            for line in _dry_run(target, *quick).splitlines():
                 if m := re.search(r"-m (benchmarks\.\w+)(.*)", line):
                     flags = tuple(re.findall(r"(?<!\S)--[a-z][a-z-]*", m.group(2)))
                     commands.add((m.group(1), flags))
@@ -220,13 +213,5 @@ def test_quick_is_on_only_when_set_to_a_yes():
     """`QUICK=1` (or yes / true) runs a benchmark in its quick mode; `QUICK=0` and an
     unset QUICK do not (make's `$(if ...)` alone took any value, 0 included, for on)."""
     for quick, want in (([], False), (["QUICK=0"], False), (["QUICK=1"], True)):
-        dry = subprocess.run(
-            ["make", "-n", "bench-policy", *quick],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            env=os.environ.copy(),
-            timeout=60,
-        )
-        assert dry.returncode == 0, dry.stderr
-        assert ("--quick" in dry.stdout) == want, (quick, dry.stdout)
+        dry = _dry_run("bench-policy", *quick)
+        assert ("--quick" in dry) == want, (quick, dry)

@@ -138,7 +138,7 @@ def group_of(speculation) -> str:
     if rule in ("cactus", "cactus_exact"):
         return f"{rule}:{speculation.delta:g}"
     if rule == "tas":
-        alpha = getattr(speculation, "tas_alpha", None)
+        alpha = speculation.tas_alpha
         return f"tas:{speculation.tas_threshold:g}" + ("" if alpha is None else f"/{alpha:g}")
     return rule
 
