@@ -22,7 +22,8 @@ is the mean over rounds. One round of a cell moves by 3-8% on a shared 2-core ma
 `--race-margin` x) is not measured again: it cannot be the best, and the time goes to
 the cells that decide the comparison. The table gives the ratio's standard error next
 to it. Rank 0 reports what the goodput policy chose (mean k, histogram) and predicted
-(tokens and step time) against what the steps gave. The last lines say how often a
+(tokens and step time) against what the steps gave, in the measured windows only (its
+statistics are read as each window starts and ends). The last lines say how often a
 policy exactly as fast as the best fixed K would reach 0.97x of it, measured this way
 with this run's spread: the largest of several noisy fixed means overstates the best.
 
@@ -44,6 +45,7 @@ import math
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +139,35 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
+def _in_window(run, settle_s: float, seconds: float, snapshot) -> tuple:
+    """`run()` (a run_level call: `settle_s` unmeasured, then a `seconds` window, then
+    until its streams end) and the policy statistics of its measured window only:
+    `snapshot()` is taken when the settle time ends and when the window ends (a timer
+    thread from the same start as run_level's), not before the settle time and after
+    the streams drained, so mean k, chosen k and the predicted / realised ratios cover
+    the steps the tokens/s counts. Returns (run's result, _delta of the two)."""
+    start = time.monotonic()
+    taken: dict = {}
+
+    def take() -> None:
+        try:
+            for name, at in (("before", settle_s), ("after", settle_s + seconds)):
+                time.sleep(max(0.0, start + at - time.monotonic()))
+                taken[name] = snapshot()
+        except Exception as err:  # raised in the caller's thread below
+            taken["error"] = err
+
+    timer = threading.Thread(target=take, daemon=True)
+    timer.start()
+    try:
+        result = run()
+    finally:
+        timer.join()
+    if "error" in taken:
+        raise taken["error"]
+    return result, _delta(taken["after"], taken["before"])
+
+
 def _started(policy: str, levels: list[int]) -> ServerProcess:
     """A ready server; one more try if the first did not start (two local Ray
     clusters started back to back can race for a port)."""
@@ -183,17 +214,21 @@ def measure(args) -> list[dict]:
                 for rule, k in plan:
                     _set_policy("goodput" if k == "goodput" else "fixed")
                     if k == "goodput":
-                        before = _rank0_policy()
-                        res = run_level(
-                            server.address,
-                            rule,
-                            clients,
+                        res, window = _in_window(
+                            lambda rule=rule, clients=clients: run_level(
+                                server.address,
+                                rule,
+                                clients,
+                                args.seconds,
+                                max_tokens=MAX_TOKENS,
+                                warmup_s=args.settle,
+                                num_speculative_tokens=CEILING,
+                            ),
+                            args.settle,
                             args.seconds,
-                            max_tokens=MAX_TOKENS,
-                            warmup_s=args.settle,
-                            num_speculative_tokens=CEILING,
+                            _rank0_policy,
                         )
-                        _merge(policy.setdefault(rule, {}), _delta(_rank0_policy(), before))
+                        _merge(policy.setdefault(rule, {}), window)
                     else:
                         res = run_level(
                             server.address,

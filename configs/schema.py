@@ -180,9 +180,10 @@ class BatchingConfig(_Model):
         32,
     )
     max_num_batched_tokens: Int = doc(
-        "tokens one engine step computes: the running rows' K + 1 first, then chunks of "
-        "waiting prompts (vLLM's chunked prefill budget; at least 32 prompt tokens a step "
-        "while any wait, so a prompt always moves)",
+        "token budget of one engine step (vLLM's chunked prefill budget): the running rows' "
+        "K + 1 tokens each always run (decode is never cut, so a step may compute more), and "
+        "chunks of waiting prompts add what is left of the budget, at least 32 prompt tokens "
+        "a step while any wait, so a prompt always moves",
         512,
     )
     kv_budget_tokens: Int | None = doc(
@@ -204,8 +205,9 @@ class RecoveryConfig(_Model):
         "times one request is resumed on a rebuilt engine before it fails UNAVAILABLE", 3
     )
     restart_attempts: Int = doc(
-        "gang restarts of the verifier ranks tried in a row before the replica gives up "
-        "(Serve then replaces it)",
+        "gang restarts of the verifier ranks (and replacements of the draft actor) tried in "
+        "a row before giving up (ranks: the replica reports itself unhealthy and Serve "
+        "replaces it; draft: requests go on without drafts)",
         3,
     )
     check_period_s: Float = doc("how often the supervisor probes the engine's actors", 0.5)

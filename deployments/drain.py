@@ -122,8 +122,9 @@ class DrainingEngine:
             async with contextlib.aclosing(self.inner.astream(request)) as chunks:
                 async for chunk in chunks:
                     if request.request_id in self._cut and chunk.result is None:
-                        # the engine's cancel was lost (say, between two attempts of
-                        # a resumed stream): end here; closing the stream cancels it
+                        # the engine's cancel was lost (the supervisor's reaches a
+                        # request between two attempts too, this is the safety net):
+                        # end here; closing the stream cancels it
                         raise ServerShuttingDownError(self.cut_reason)
                     finished = chunk.result is not None
                     yield chunk

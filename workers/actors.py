@@ -227,10 +227,31 @@ class VerifierRank:
         from workers.grpc_drafter import GrpcDrafter
 
         old = self.drafter
-        self.drafter = GrpcDrafter(
-            draft_address, vocab_size=self.runner.vocab_size, timeout_s=old.timeout_s
-        )
-        reopened = self.loop.call(lambda engine: engine.attach_drafter(self.drafter))
+        new = GrpcDrafter(draft_address, vocab_size=self.runner.vocab_size, timeout_s=old.timeout_s)
+        # The engine takes the new drafter on its loop's thread; if the call fails here
+        # (it raised, or outlasted loop.call's wait), `gate` settles whether the engine
+        # switched: a call still queued then never switches, one running is waited for.
+        gate, gave_up = threading.Lock(), []
+
+        def attach(engine) -> int:
+            with gate:
+                if gave_up:
+                    raise RuntimeError("attach_draft gave up on this call")
+                return engine.attach_drafter(new)
+
+        try:
+            reopened = self.loop.call(attach)
+        except BaseException:
+            with gate:
+                gave_up.append(True)
+                switched = getattr(self.engine, "drafter", None) is new
+            if switched:  # it switched, then a re-open raised: the new one is in use
+                self.drafter = new
+                old.close()
+            else:  # never attached: the engine (and self.drafter) keep the old one
+                new.close()
+            raise
+        self.drafter = new  # only now: timings, a later attach and shutdown use this one
         old.close()
         return reopened
 
@@ -317,8 +338,14 @@ class VerifierRank:
 
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> int:
+        """Fails once this rank's part of the tensor-parallel group broke: a follower's
+        loop ended, or a mirrored op failed on rank 0 (MirroredRunner.failed). The
+        supervisor's probe then restarts the group."""
         if self.follow_failed is not None:
             raise RuntimeError(f"rank {self.rank}: its follow loop failed ({self.follow_failed})")
+        failed = getattr(getattr(self, "mirror", None), "failed", None)
+        if failed is not None:
+            raise RuntimeError(f"rank {self.rank}: the tensor-parallel group broke ({failed!r})")
         return self.rank
 
     @ray.method(concurrency_group=CONTROL)

@@ -3,8 +3,11 @@
 Loads any local Hugging Face causal-LM folder (Llama, Qwen2, Qwen3, Mistral, ...) through the
 Auto classes; nothing here branches on the model type. Each live sequence owns a row of a dense
 per-layer buffer [rows, kv_heads, T, head_dim]; its length is plain bookkeeping, so a rejected
-draft (rollback) costs nothing, as in vLLM / SGLang. One `forward` runs ONE model call over a
-contiguous range of rows with ragged per-row token counts.
+draft (rollback) costs nothing, as in vLLM / SGLang. One model call runs over a contiguous
+range of rows with ragged per-row token counts; rows in the range that have no tokens sit out
+(they are still computed). `forward` makes one such call for its rows, or several when its rows
+lie far apart (a prefill of the first and the last row), so that idle rows between them cost
+little: see `_groups`.
 
 Why not transformers' own caches: `DynamicCache.crop` removes the same count from every row of
 a batch (speculative decoding accepts a different count per row), and `StaticCache` keeps one
@@ -17,6 +20,12 @@ unchanged, and models with several layer types take a {layer_type: mask} dict.
 
 Memory plan: at most `max_num_seqs` rows and `rows_allocated * t_capacity <= kv_budget_tokens`.
 Rows in use are the dense prefix [0, n): releasing a row moves the last row's KV into the hole.
+
+Slots past a row's length are masked, but the mask is additive: a NaN or inf key there still
+makes the row's attention NaN (NaN + min is NaN; a zero weight times a NaN value is NaN). So a
+row's slots past its length only ever hold what its own sequence wrote (rollback) or zeros:
+`release` zeroes the slots the freed sequence wrote (`_high`), and the vacated last row, so a
+sequence that overflowed cannot poison the next one given its row.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ environment.apply()  # also in Ray workers: offline Hugging Face
 hf_logging.disable_progress_bar()
 
 SLOT_ROUND = 64  # T capacity is a multiple of this (unless the budget caps it)
+# Idle tokens (rows that sit out, padding) one model call may compute to spare a second call:
+# on a GPU a small forward costs about one read of the weights whatever its token count.
+MERGE_SLACK_TOKENS = 64
 LOGIT_MODES = ("all", "last", "none")
 
 
@@ -104,6 +116,12 @@ class _RowLayer(CacheLayerMixin):
             self.keys[dst, :, :length] = self.keys[src, :, :length]
             self.values[dst, :, :length] = self.values[src, :, :length]
 
+    def clear(self, row: int, start: int, end: int) -> None:
+        """Zero slots [start, end) of one row."""
+        if self.is_initialized and start < end:
+            self.keys[row, :, start:end].zero_()
+            self.values[row, :, start:end].zero_()
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         step = self._owner.step
         return (step.kv_len if step else query_length), 0
@@ -133,6 +151,10 @@ class _RowCache(Cache):
     def move_row(self, src: int, dst: int, length: int) -> None:
         for layer in self.layers:
             layer.move_row(src, dst, length)
+
+    def clear(self, row: int, start: int, end: int) -> None:
+        for layer in self.layers:
+            layer.clear(row, start, end)
 
 
 def _round_up(n: int) -> int:
@@ -170,6 +192,8 @@ class BatchRunner(LoadedModel):
         self._ids: list[str] = []  # per row
         self._lens: list[int] = []  # per row: tokens in the cache
         self._reserves: list[int] = []  # per row: most tokens it may hold
+        # per row: slots [0, high) may hold data (written, maybe rolled back); zeros beyond
+        self._high: list[int] = []
 
     @property
     def num_sequences(self) -> int:
@@ -238,20 +262,27 @@ class BatchRunner(LoadedModel):
         self._ids.append(seq_id)
         self._lens.append(0)
         self._reserves.append(reserve)
+        self._high.append(0)
 
     @torch.inference_mode()
     def release(self, seq_id: str) -> bool:
-        """Free a sequence's row (the last row moves into it); True if it existed."""
+        """Free a sequence's row (the last row moves into it); True if it existed. The
+        slots the freed sequence wrote are zeroed (the module's docstring says why), at a
+        cost proportional to them, not to the buffer."""
         row = self._row.pop(seq_id, None)
         if row is None:
             return False
-        last = len(self._ids) - 1
+        cache, last = self._cache, len(self._ids) - 1
         if row != last:
-            self._cache.move_row(last, row, self._lens[last])
+            moved = self._lens[last]
+            cache.move_row(last, row, moved)
+            cache.clear(row, moved, self._high[row])  # the freed sequence's tail
             for field in (self._ids, self._lens, self._reserves):
                 field[row] = field[last]
+            self._high[row] = moved
             self._row[self._ids[row]] = row
-        for field in (self._ids, self._lens, self._reserves):
+        cache.clear(last, 0, self._high[last])  # the vacated row
+        for field in (self._ids, self._lens, self._reserves, self._high):
             field.pop()
         self._cache.longest = max(self._lens, default=0)
         return True
@@ -332,15 +363,61 @@ class BatchRunner(LoadedModel):
             keep[has, n[has] - 1] = True
         return keep
 
+    @staticmethod
+    def _groups(rows: list[int], token_ids: list[list[int]]) -> list[list[int]]:
+        """Indices of the rows with tokens, grouped into model calls over row ranges.
+
+        One call computes every row of its range [r0, r1), [r1 - r0, widest] tokens, and
+        rows drift apart (a release moves the last row into a hole, admissions append), so
+        a prefill of rows 0 and 7 in one call would also compute rows 1-6. Runs of adjacent
+        rows with tokens stay one call each (as before); a run joins the call before it
+        while that call computes at most twice the tokens its runs would alone, or at most
+        MERGE_SLACK_TOKENS more (one call per drafting step however its rows lie)."""
+        active = sorted((row, len(token_ids[i]), i) for i, row in enumerate(rows) if token_ids[i])
+        runs: list[list[tuple[int, int, int]]] = []  # (row, tokens, index)
+        for item in active:
+            if runs and runs[-1][-1][0] == item[0] - 1:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+
+        def dense(members) -> int:  # tokens a call over these rows' range computes
+            return (members[-1][0] - members[0][0] + 1) * max(n for _, n, _ in members)
+
+        groups: list[tuple[list, int]] = []  # (members, tokens its runs compute alone)
+        for run in runs:
+            alone = dense(run)
+            if groups:
+                members, parts = groups[-1]
+                merged = dense(members + run)
+                if merged <= 2 * (parts + alone) or merged - parts - alone <= MERGE_SLACK_TOKENS:
+                    groups[-1] = (members + run, parts + alone)
+                    continue
+            groups.append((run, alone))
+        return [[i for _, _, i in members] for members, _ in groups]
+
     @torch.inference_mode()
     def forward(self, seq_ids, token_ids, *, logits: str = "all") -> list[torch.Tensor]:
-        """ONE batched forward: row i appends token_ids[i] (empty: it sits out). Returns float32
-        logits per row: "all" [n_i, V], "last" [1, V] ([0, V] if n_i == 0), "none" [0, V]."""
+        """Row i appends token_ids[i] (empty: it sits out), in one model call or, for rows
+        far apart, a few (`_groups`). Returns float32 logits per row: "all" [n_i, V], "last"
+        [1, V] ([0, V] if n_i == 0), "none" [0, V]."""
         token_ids = [list(t) for t in token_ids]
         rows = self._rows_for(list(seq_ids), token_ids, logits)
-        if not any(token_ids):
-            return [torch.empty(0, self.vocab_size, device=self.device) for _ in rows]
+        result: list[torch.Tensor | None] = [None] * len(rows)
+        for group in self._groups(rows, token_ids):
+            toks = [token_ids[i] for i in group]
+            got = self._forward_rows([rows[i] for i in group], toks, logits)
+            for i, row_logits in zip(group, got, strict=True):
+                result[i] = row_logits
+        return [
+            torch.empty(0, self.vocab_size, device=self.device) if x is None else x for x in result
+        ]
+
+    def _forward_rows(self, rows: list[int], token_ids: list[list[int]], logits: str):
+        """ONE model call over rows [min(rows), max(rows)]; every row given has tokens."""
         step, ids, pos = self._step(rows, token_ids)
+        for row, toks in zip(rows, token_ids, strict=True):  # before: a failed call wrote some
+            self._high[row] = max(self._high[row], self._lens[row] + len(toks))
         keep = self._keep(step, logits)  # [B, Q]
         # The LM head sees only the positions some row needs: a 1-D index keeps the
         # hidden states 3-D [B, C, H], which DeepSpeed's sharded LM head requires.

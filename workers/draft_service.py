@@ -4,14 +4,22 @@ Session bookkeeping: each request has a committed length (its epoch) and a count
 proposed blocks. Propose must name the current epoch (else FAILED_PRECONDITION: the
 caller's view is stale). Commit must answer the outstanding block; a repeated commit of
 an already applied block is acknowledged and ignored, never applied twice. Sessions are
-freed on Close, and by a lease when no call arrives for lease_s seconds (a verifier that
-died mid-request must not leak caches here).
+freed on Close, and by a lease when no call naming them arrives for lease_s seconds (a
+verifier that died mid-request must not leak caches here; rank 0 keeps the session of a
+row it drafts nothing for alive with touch rows, num_tokens = 0).
+
+Open prefills the prompt in chunks of prefill_chunk_tokens and yields the event loop
+between them, so a long prompt does not hold up every running row's ProposeBatch. The
+session exists (ProposeBatch and Commit can reach it) only once its prefill is done; a
+Close (or reset) arriving mid-prefill frees the row at once and the Open stops there.
 
 ProposeBatch carries every row of an engine step: rows are checked one by one (a bad
-row gets its own error and fails alone), then the good ones are drafted in one batched
-pass. Model work runs inline on the event loop, which also serialises access to the model
-(dropping the thread hop per call saved 0.3-1.4 ms a step in make bench-distributed;
-other RPCs wait at most one propose, a few ms).
+row gets its own error and fails alone: a stale epoch, a bad commit, a block past its
+row's room), then the good ones are drafted in one batched pass. Every reply stays under
+max_reply_bytes: a block that would take it past fails alone (RESOURCE_EXHAUSTED), never
+the whole call. Model work runs inline on the event loop, which also serialises access to
+the model (dropping the thread hop per call saved 0.3-1.4 ms a step in make
+bench-distributed; other RPCs wait at most one propose or one prefill chunk).
 """
 
 from __future__ import annotations
@@ -27,8 +35,12 @@ from cactus.params import SamplingParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from workers.interfaces import ProposeRow
-from workers.local import MAX_DRAFT_TOKENS, LocalDrafter
-from workers.wire import fill_block, status_code
+from workers.local import DRAFT_PREFILL_CHUNK, MAX_DRAFT_TOKENS, LocalDrafter
+from workers.wire import MAX_MESSAGE_BYTES, fill_block, status_code
+
+# Reply bytes beyond its rows (draft_s), and per row beyond its own (tag and length).
+_REPLY_SLACK = 16
+_ROW_OVERHEAD = 6
 
 
 @dataclass
@@ -39,6 +51,7 @@ class _Session:
     proposed_seq: int = 0  # block_seq of the last proposed block
     applied_seq: int = 0  # block_seq of the last committed block
     outstanding: bool = False
+    block_k: int = 0  # tokens in the last proposed block (a commit accepts at most these)
 
 
 class _RowFailure(Exception):
@@ -54,10 +67,22 @@ class _RowFailure(Exception):
 
 
 class DraftServicer(pb_grpc.SpeculationServicer):
-    def __init__(self, drafter: LocalDrafter, *, default_lease_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        drafter: LocalDrafter,
+        *,
+        default_lease_s: float = 120.0,
+        prefill_chunk_tokens: int = DRAFT_PREFILL_CHUNK,
+        max_reply_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        if prefill_chunk_tokens < 1 or not 0 < max_reply_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError("prefill_chunk_tokens >= 1, max_reply_bytes in (0, 2 GiB) required")
         self.drafter = drafter
         self.default_lease_s = default_lease_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_reply_bytes = max_reply_bytes  # start_server's send limit
         self.sessions: dict[str, _Session] = {}
+        self._opening: dict[str, object] = {}  # request id -> the Open prefilling it
         self.blocks_proposed = 0
         self.batches = 0
 
@@ -69,9 +94,10 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         return session
 
     async def Open(self, request, context):
+        rid = request.request_id
         ids = list(request.prompt_token_ids)
         vocab = self.drafter.runner.vocab_size
-        if not request.request_id or not ids or any(not 0 <= t < vocab for t in ids):
+        if not rid or not ids or any(not 0 <= t < vocab for t in ids):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "request_id and prompt ids in [0, vocab) are required",
@@ -81,15 +107,43 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k
         )
+        self._drop(rid)  # a session of this id, or an Open of it still prefilling, ends
+        token = self._opening[rid] = object()
+        steps = self.drafter.start_chunked(
+            rid, ids, sampling, request.seed, chunk_tokens=self.prefill_chunk_tokens
+        )
+        closed, failed = False, None
         try:
-            self.drafter.start(request.request_id, ids, sampling, request.seed)
-        except WorkerUnavailableError as err:  # no row or KV budget left on this side
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            for _ in steps:  # a chunk per step
+                await asyncio.sleep(0)  # other calls (ProposeBatch) go on between chunks
+                if self._opening.get(rid) is not token:  # Close or reset freed the row
+                    steps.close()
+                    closed = True
+                    break
+        except (WorkerUnavailableError, ValueError) as err:  # nothing reserved is left
+            failed = err
+        except BaseException:  # the call was cancelled, or the model failed
+            if self._opening.get(rid) is token:
+                self._drop(rid)
+            raise
+        if closed:
+            await context.abort(grpc.StatusCode.CANCELLED, f"{rid!r} closed while opening")
+        if failed is not None:
+            if self._opening.get(rid) is token:
+                self._drop(rid)
+            if isinstance(failed, WorkerUnavailableError):  # no row or KV budget left here
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(failed))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(failed))
+        del self._opening[rid]
         lease = request.lease_s or self.default_lease_s
-        self.sessions[request.request_id] = _Session(len(ids), lease, time.monotonic())
-        return pb.SessionAck(request_id=request.request_id, committed=len(ids))
+        self.sessions[rid] = _Session(len(ids), lease, time.monotonic())
+        return pb.SessionAck(request_id=rid, committed=len(ids))
 
     async def Propose(self, request, context):
+        if request.num_tokens == 0:  # a touch is a ProposeBatch row only
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"num_tokens must be 1..{MAX_DRAFT_TOKENS}"
+            )
         reply = await self.ProposeBatch(pb.ProposeBatchRequest(rows=[request]), context)
         row = reply.rows[0]
         if row.WhichOneof("result") == "error":
@@ -98,7 +152,8 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         return row.block
 
     async def ProposeBatch(self, request, context):
-        """Check every row (commits first), then draft the good ones in one pass."""
+        """Check every row (commits first), then draft the good ones in one pass. A touch
+        row (num_tokens = 0) gets an empty result."""
         reply = pb.ProposeBatchReply()
         ready: list[tuple[int, _Session]] = []
         seen: set[str] = set()
@@ -108,7 +163,9 @@ class DraftServicer(pb_grpc.SpeculationServicer):
                 if row.request_id in seen:
                     raise _RowFailure(grpc.StatusCode.INVALID_ARGUMENT, "request twice in a batch")
                 seen.add(row.request_id)
-                ready.append((i, self._ready(row)))
+                session = self._ready(row)
+                if session is not None:
+                    ready.append((i, session))
             except _RowFailure as fail:
                 reply.rows[i].error.code = fail.code.value[0]
                 reply.rows[i].error.message = fail.message
@@ -118,25 +175,43 @@ class DraftServicer(pb_grpc.SpeculationServicer):
                 ProposeRow(request.rows[i].request_id, request.rows[i].num_tokens) for i, _ in ready
             ]
             blocks = self.drafter.propose(rows)
+            used = reply.ByteSize() + _REPLY_SLACK  # the rows answered so far (errors)
             for (i, session), block in zip(ready, blocks, strict=True):
+                result = reply.rows[i]
                 if isinstance(block, Exception):
-                    reply.rows[i].error.code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-                    reply.rows[i].error.message = str(block)
+                    result.error.code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+                    result.error.message = str(block)
+                    used += result.ByteSize() + _ROW_OVERHEAD
                     continue
                 session.proposed_seq += 1
                 session.outstanding = True
-                self.blocks_proposed += 1
-                reply.rows[i].block.block_seq = session.proposed_seq
-                fill_block(reply.rows[i].block, block)
+                session.block_k = len(block.token_ids)
+                result.block.block_seq = session.proposed_seq
+                fill_block(result.block, block)
+                size = result.ByteSize() + _ROW_OVERHEAD
+                if used + size > self.max_reply_bytes:  # it alone fails (its session ends)
+                    result.ClearField("block")
+                    result.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+                    result.error.message = (
+                        f"a block of {size} bytes would take the reply past its limit of "
+                        f"{self.max_reply_bytes}"
+                    )
+                    size = result.ByteSize() + _ROW_OVERHEAD
+                else:
+                    self.blocks_proposed += 1
+                used += size
             reply.draft_s = time.perf_counter() - start
             self.batches += 1
         return reply
 
-    def _ready(self, row) -> _Session:
-        """Apply the row's piggybacked commits and check it may be drafted now."""
+    def _ready(self, row) -> _Session | None:
+        """Apply the row's piggybacked commits and check it may be drafted now (None: a
+        touch, nothing to draft)."""
         session = self._session(row.request_id)
         for commit in row.commits:
-            self._apply_commit(session, commit)
+            self._apply_commit(session, row.request_id, commit)
+        if row.num_tokens == 0:
+            return None
         if row.epoch != session.committed:
             raise _RowFailure(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -151,17 +226,30 @@ class DraftServicer(pb_grpc.SpeculationServicer):
             raise _RowFailure(
                 grpc.StatusCode.INVALID_ARGUMENT, f"num_tokens must be 1..{MAX_DRAFT_TOKENS}"
             )
+        room = self.drafter.room(row.request_id)
+        if row.num_tokens > room:  # in the batched forward it would fail every row
+            raise _RowFailure(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"{row.num_tokens} tokens exceed the session's room of {room}",
+            )
         return session
 
     async def Commit(self, request, context):
         try:
             session = self._session(request.request_id)
-            self._apply_commit(session, request)
+            self._apply_commit(session, request.request_id, request)
         except _RowFailure as fail:
             await context.abort(fail.code, fail.message)
         return pb.SessionAck(request_id=request.request_id, committed=session.committed)
 
-    def _apply_commit(self, session: _Session, request) -> None:
+    def _apply_commit(self, session: _Session, request_id: str, request) -> None:
+        """Apply one commit of `request_id`'s session; a bad one raises _RowFailure with
+        nothing applied (it fails its row alone, not the batched forward after it)."""
+        if request.request_id != request_id:
+            raise _RowFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"commit for {request.request_id!r} in a row of {request_id!r}",
+            )
         if request.block_seq and request.block_seq <= session.applied_seq:
             return  # a repeat of an applied block: acknowledged, never applied twice
         if request.block_seq == 0 and request.epoch < session.committed:
@@ -172,6 +260,14 @@ class DraftServicer(pb_grpc.SpeculationServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"commit for block {request.block_seq} at epoch {request.epoch}; "
                 f"expected block {wanted} at {session.committed}",
+            )
+        most = session.block_k if request.block_seq else 0
+        vocab = self.drafter.runner.vocab_size
+        if request.num_accepted > most or not 0 <= request.next_token < vocab:
+            raise _RowFailure(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"commit of {request.num_accepted} accepted (at most {most}) and next "
+                f"token {request.next_token} (in [0, {vocab}))",
             )
         self.drafter.commit(
             request.request_id, request.epoch, request.num_accepted, request.next_token
@@ -185,12 +281,17 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         return pb.SessionAck(request_id=request.request_id)
 
     async def _close(self, request_id: str) -> None:
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        """Free a session, or the row of an Open still prefilling (which then stops)."""
         self.sessions.pop(request_id, None)
+        self._opening.pop(request_id, None)
         self.drafter.release(request_id)
 
     async def reset(self) -> int:
         """Drop every session (the engine they belonged to was rebuilt)."""
-        ids = list(self.sessions)
+        ids = list(dict.fromkeys([*self.sessions, *self._opening]))
         for rid in ids:
             await self._close(rid)
         return len(ids)
@@ -201,6 +302,7 @@ class DraftServicer(pb_grpc.SpeculationServicer):
             cached_sequences=self.drafter.runner.num_sequences,
             blocks_proposed=self.blocks_proposed,
             max_context=self.drafter.runner.max_context,
+            vocab_size=self.drafter.runner.vocab_size,
         )
 
     async def expire_leases(self, period_s: float = 1.0) -> None:
@@ -223,11 +325,13 @@ async def start_server(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
-    max_message_bytes: int = 64 << 20,
+    max_request_bytes: int = 64 << 20,
 ) -> tuple[grpc.aio.Server, int]:
+    """Requests are small (prompt ids, commits); replies are as large as the servicer
+    lets them be (DraftServicer keeps each under its max_reply_bytes)."""
     options = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_send_message_length", getattr(servicer, "max_reply_bytes", MAX_MESSAGE_BYTES)),
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_SpeculationServicer_to_server(servicer, server)

@@ -303,7 +303,7 @@ class SpeculativeEngine:
         planned = [s.planned_k for s in running]
         expected = {s.id: s.expected_tokens for s in running}
         lags = {s.id: s.undrafted for s in running}
-        predicted_s = self.policy.cost.predict(
+        predicted_s = self.policy.predict_time(
             planned,
             list(lags.values()),
             tokens=sum(expected[s.id] if k else 1.0 for s, k in zip(running, planned, strict=True)),
@@ -344,7 +344,13 @@ class SpeculativeEngine:
             tokens = outputs[i][: accepted[i] + 1]
             self._commit(state, ks[i], blocks.get(state.id), accepted[i], tokens[-1])
             if ks[i]:
+                was_capped = state.stats.divergence_capped
                 state.count(ks[i], accepted[i], divergence[i], capped[i])
+                if state.stats.divergence_capped and not was_capped:
+                    # from now on it verifies with delta = 0 and the policy files it
+                    # under its rule's delta-0 group (_policy_row): its own counts so
+                    # far were at its delta, no longer its acceptance
+                    self.policy.forget(state.id)
             if state.drafting:
                 state.undrafted = 0 if ks[i] else state.undrafted + 1
             st = state.stats
@@ -378,7 +384,7 @@ class SpeculativeEngine:
 
     def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:
         return PolicyRow(
-            state.id, state.group, state.num_draft_tokens(), state.undrafted, fixed=fixed
+            state.id, state.policy_group, state.num_draft_tokens(), state.undrafted, fixed=fixed
         )
 
     def _plan(self, states: list[RequestState]) -> None:

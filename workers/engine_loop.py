@@ -57,7 +57,9 @@ class EngineLoopStopped(RuntimeError):
 
 
 class EngineLoop:
-    """`on_step(engine, batch_size)`: called after every step (metrics)."""
+    """`on_step(engine, batch_size)`: called after every step (metrics), a failed one too
+    (batch_size 0, after its admitted requests ended), so gauges of the rows and the waiting
+    requests never keep a failed step's values."""
 
     def __init__(
         self,
@@ -154,7 +156,7 @@ class EngineLoop:
             except Exception as err:  # a bug: end what was admitted, keep serving
                 log.exception("an engine step failed: its admitted requests end")
                 self.engine.abort_admitted(err)
-                continue
+                batch = 0  # no decode step to record; the rows and waiting ones changed
             if self.on_step is not None:
                 try:
                     self.on_step(self.engine, batch)

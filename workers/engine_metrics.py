@@ -65,6 +65,8 @@ class EngineMetrics:
         self.steps = 0
 
     def record(self, engine, batch_size: int) -> None:
+        """After every step; after a failed one too (batch_size 0, its admitted requests
+        ended): the gauges then drop the rows it held."""
         self.steps += 1
         take = getattr(engine.drafter, "take_round_trips", None)  # a remote drafter
         for seconds in take() if take is not None else ():

@@ -1,8 +1,10 @@
 """Start, health-check and shut down one distributed engine on a Ray cluster.
 
-One engine = a draft actor + tp_size verifier ranks. The ranks share one placement
-group (STRICT_PACK: tensor parallelism wants one node); the draft actor is scheduled by
-its own resources, which may name a custom resource to put it on another node.
+One engine = a draft actor + tp_size verifier ranks, in two bundles of one placement
+group (engine_bundles): every rank in one bundle, which always lies on one node (tensor
+parallelism wants one node) whatever the group's strategy (PACK for a group the engine
+makes itself, the operator's for a Serve replica's); the draft actor's bundle is sized
+by its own resources, which may name a custom resource to put it on another node.
 Callers talk to rank 0: `generate`, `stream`, `cancel`.
 """
 
@@ -121,8 +123,10 @@ class EngineGroup:
         self.placement: dict = {}
         # "draft" / "ranks": [(node id, process identity)] of their actors, for _end
         self._processes: dict = {}
-        # replace_draft and restart_ranks run on the supervisor's threads: one at a time
+        # replace_draft, restart_ranks (the supervisor's threads) and shutdown: one at a time
         self._restarting = threading.Lock()
+        self.closed = False  # shut down: restarts and replacements are refused
+        self._shut_without_lock = False  # shutdown gave up waiting for a restart
         self.rank_generation = 0  # bumped by every gang restart of the ranks
         self.draft_generation = 0  # bumped by every replacement of the draft actor
 
@@ -253,7 +257,20 @@ class EngineGroup:
         """A new draft actor in the old one's bundle; rank 0 switches to it and re-opens
         the draft sessions of its running requests, which then speculate again."""
         with self._restarting:
+            self._refuse_if_closed()
             self._replace_draft()
+            self._undo_if_closed()
+
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise EngineStartError("the engine was shut down: nothing is restarted")
+
+    def _undo_if_closed(self) -> None:
+        """A restart that outlasted shutdown's wait for it (shutdown went on without
+        it): stop what it started. One that shutdown waited for is shut down by it."""
+        if self._shut_without_lock:
+            self._abandon()
+            self._refuse_if_closed()
 
     def _end(self, actors: list, where: list) -> None:
         """ray.kill each actor, then SIGKILL those of their processes (`where`: node id
@@ -279,7 +296,9 @@ class EngineGroup:
         broken TP group cannot take a new member); the draft actor drops the old
         engine's sessions. In-flight requests are resumed by the caller."""
         with self._restarting:
+            self._refuse_if_closed()
             self._restart_ranks()
+            self._undo_if_closed()
 
     def _restart_ranks(self) -> None:
         self._end(self.ranks, self._processes.pop("ranks", []))
@@ -369,15 +388,33 @@ class EngineGroup:
         }
 
     def shutdown(self) -> None:
-        """Stop the followers, leave the process group, kill the actors."""
-        if not self.ranks:
+        """Stop the followers, leave the process group, kill the actors. Refuses every
+        later restart, and waits for one in progress (at most start_timeout_s: one that
+        takes longer stops what it started when it ends) rather than racing it."""
+        self.closed = True
+        locked = self._restarting.acquire(timeout=self.config.start_timeout_s)
+        self._shut_without_lock = not locked
+        try:
+            self._shutdown()
+        finally:
+            if locked:
+                self._restarting.release()
+
+    def _shutdown(self) -> None:
+        if not self.ranks and self.draft is None and self.pg is None:
             return
-        steps = [
-            ("ranks", lambda: ray.get(self.rank0.shutdown.remote(), timeout=30)),
-            ("ranks", lambda: ray.get(self.followers, timeout=30)),
-            ("ranks", lambda: ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=30)),
-            ("draft", lambda: ray.get(self.draft.shutdown.remote(), timeout=30)),
-        ]
+        steps = []
+        if self.ranks:
+            steps += [
+                ("ranks", lambda: ray.get(self.rank0.shutdown.remote(), timeout=30)),
+                ("ranks", lambda: ray.get(self.followers, timeout=30)),
+                (
+                    "ranks",
+                    lambda: ray.get([r.shutdown.remote() for r in self.ranks[1:]], timeout=30),
+                ),
+            ]
+        if self.draft is not None:
+            steps.append(("draft", lambda: ray.get(self.draft.shutdown.remote(), timeout=30)))
         failed = set()
         for role, step in steps:  # each best effort: a dead actor must not block the rest
             try:
@@ -388,5 +425,6 @@ class EngineGroup:
         where = [p for role in failed for p in self._processes.pop(role, [])]
         self._end([a for a in (*self.ranks, self.draft) if a is not None], where)
         if self.pg is not None and self.own_pg:
-            remove_placement_group(self.pg)
-        self.ranks, self.draft, self.pg = [], None, None
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+        self.ranks, self.followers, self.draft, self.pg = [], [], None, None

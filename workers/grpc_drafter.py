@@ -18,6 +18,12 @@ go through one thread, in the order they were made: both sides hold the same num
 rows, so the Open of a request that takes a finished one's row must not reach the
 draft side before that row's Close (it would be refused there, and the request would
 run without drafts).
+
+A row the policy drafts nothing for (k = 0) sends no ProposeBatch: its commits wait in
+`unsent`, and the draft side would free its session when the lease ran out. So every
+session no call has named for lease_s / 4 gets a touch row (num_tokens = 0: nothing
+drafted, the lease renewed), sent on the session lane after its Open; a dead rank 0
+touches nothing, and the lease frees its sessions.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from cactus.params import SamplingParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from workers.interfaces import DraftBlock, ProposeRow
-from workers.wire import decode_block, status_code
+from workers.wire import MAX_MESSAGE_BYTES, decode_block, status_code
 
 log = logging.getLogger("cactus.engine")
 
@@ -62,6 +68,7 @@ class _ClientSession:
     applied_seq: int = 0
     pending_seq: int = 0
     unsent: list = field(default_factory=list)  # commits to piggyback on the next Propose
+    last_sent: float = field(default_factory=time.monotonic)  # the last call naming it
 
 
 class GrpcDrafter:
@@ -76,12 +83,18 @@ class GrpcDrafter:
         vocab_size: int,
         timeout_s: float = 30.0,
         lease_s: float = 120.0,
-        max_message_bytes: int = 64 << 20,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
+        """max_message_bytes: gRPC's largest by default; the draft side keeps each reply
+        under its own limit (a block that does not fit fails alone), so a batch never
+        fails whole for its size."""
         self.address = address
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.lease_s = lease_s
+        # a session no call named for this long is touched (0: the draft side's default)
+        self._touch_after_s = (lease_s if lease_s > 0 else 120.0) / 4
+        self._next_scan = 0.0  # when _keep_alive looks at the sessions again
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -99,20 +112,28 @@ class GrpcDrafter:
         self.batches = 0  # ProposeBatch calls
         self.prefetched_batches = 0  # of which sent ahead, at the end of a step
         self.pipeline = True  # send the next step's ProposeBatch at the end of a step
-        self._prefetch: tuple | None = None  # (rows, future, sent_at): a batch on its way
-        self.max_context = self._draft_context()
+        # (rows, future, sent_at, answered_at): a batch on its way
+        self._prefetch: tuple | None = None
+        status = self._draft_status()
+        if status is not None and status.vocab_size and status.vocab_size != vocab_size:
+            self.close()
+            raise ValueError(
+                f"draft actor {address}: vocabulary {status.vocab_size} differs from the "
+                f"verifier's {vocab_size}; the pair must share a tokenizer"
+            )
+        # the draft model's context (None if it does not say: the engine then caps
+        # drafting by the verifier's context alone)
+        self.max_context = (status.max_context or None) if status is not None else None
 
-    def _draft_context(self) -> int | None:
-        """The draft model's context, from the draft actor (None if it does not say: the
-        engine then caps drafting by the verifier's context alone)."""
+    def _draft_status(self) -> pb.StatusReply | None:
+        """The draft actor's Status (None if it does not answer: nothing is checked)."""
         try:
-            reply = self._stub.Status(
+            return self._stub.Status(
                 pb.StatusRequest(), timeout=min(10.0, self.timeout_s), wait_for_ready=True
             )
         except grpc.RpcError as err:
             log.warning("draft actor %s: no Status (%s)", self.address, err.code().name)
             return None
-        return reply.max_context or None
 
     def _call(self, method, msg):
         """A blocking call; transport failures mapped to the engine's errors."""
@@ -175,13 +196,32 @@ class GrpcDrafter:
             request_id=request_id, epoch=session.committed, num_tokens=k, commits=session.unsent
         )
         session.unsent = []  # sent, whatever the outcome: a failure ends drafting
+        session.last_sent = time.monotonic()
         return request
+
+    def _keep_alive(self) -> None:
+        """Touch the sessions no call has named for lease_s / 4 (module docstring): one
+        ProposeBatch of touch rows on the session lane, its outcome not waited for (a
+        session gone meanwhile is reported by its next propose)."""
+        now = time.monotonic()
+        if now < self._next_scan:
+            return
+        self._next_scan = now + self._touch_after_s / 2
+        idle = [r for r, s in self._sessions.items() if now - s.last_sent >= self._touch_after_s]
+        if not idle:
+            return
+        for request_id in idle:
+            self._sessions[request_id].last_sent = now
+        touch = pb.ProposeBatchRequest(rows=[pb.ProposeRequest(request_id=r) for r in idle])
+        with contextlib.suppress(WorkerUnavailableError):  # a closed client
+            self._send(self._stub.ProposeBatch, touch, lane=True)
 
     def prefetch(self, rows: Sequence[ProposeRow]) -> None:
         """Send the next step's ProposeBatch now (the engine calls this at the end of a
         step, once every row of the next one, joined rows included, has its k): the
         draft actor drafts while this side takes new requests and starts the next
         step. `propose` then takes the blocks."""
+        self._keep_alive()
         if not self.pipeline or self._prefetch is not None:
             return
         sent, msgs = [], []
@@ -192,21 +232,32 @@ class GrpcDrafter:
             msgs.append(self._propose_request(row.request_id, session, row.k))
             sent.append((row, session))
         if msgs:
-            future = self._send(self._stub.ProposeBatch, pb.ProposeBatchRequest(rows=msgs))
-            self._prefetch = (sent, future, time.perf_counter())
+            method, answered = self._stub.ProposeBatch, []
+
+            def timed(msg, timeout):  # its round trip ends here, not when it is taken
+                try:
+                    return method(msg, timeout=timeout)
+                finally:
+                    answered.append(time.perf_counter())
+
+            sent_at = time.perf_counter()
+            future = self._send(timed, pb.ProposeBatchRequest(rows=msgs))
+            self._prefetch = (sent, future, sent_at, answered)
             self.batches += 1
             self.prefetched_batches += 1
 
     def _take_prefetched(self, rows: Sequence[ProposeRow], out: list) -> None:
         """Fill `out` with the prefetched blocks of `rows`. A prefetched row asked for
         another K gets StaleBlockError (the engine promised K: it then drafts no more)."""
-        sent, future, sent_at = self._prefetch
+        sent, future, sent_at, answered = self._prefetch
         self._prefetch = None
         try:
             reply = self._result(future)
         except (StaleBlockError, WorkerUnavailableError) as err:
             reply, failure = None, err
-        self._round_trip(time.perf_counter() - sent_at)
+        # when it was answered: a prefetch whose rows all went (cancelled) may be taken
+        # long after, and that wait is no round trip
+        self._round_trip((answered[0] if answered else time.perf_counter()) - sent_at)
         if reply is not None:
             self.remote_draft_s += reply.draft_s
             if len(reply.rows) != len(sent):
@@ -242,6 +293,7 @@ class GrpcDrafter:
         each row's block is checked on its own. A transport failure raises
         WorkerUnavailableError (those rows go on without drafts); a row the draft side
         refused gets its own error."""
+        self._keep_alive()
         out: list = [None] * len(rows)
         if self._prefetch is not None:
             self._take_prefetched(rows, out)
@@ -320,6 +372,7 @@ class GrpcDrafter:
         session.applied_seq = max(session.applied_seq, session.pending_seq)
         session.pending_seq = 0
         session.committed = epoch + num_accepted + 1
+        self._keep_alive()  # the rows held at k = 0 commit, and send nothing else
 
     def flush(self, request_id: str) -> None:
         """Wait for Open and send the recorded commits now (tests drive the protocol
@@ -329,6 +382,7 @@ class GrpcDrafter:
         for commit in session.unsent:
             self._call(self._stub.Commit, commit)
         session.unsent = []
+        session.last_sent = time.monotonic()
 
     def release(self, request_id: str) -> None:
         """Send Close without waiting: the draft actor may be drafting the next batch,

@@ -7,7 +7,7 @@ row's length drops and the rejected slots are overwritten by the next forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -20,6 +20,10 @@ from workers.interfaces import DraftBlock, ProposeRow
 
 # The widest block a drafter accepts: one place for the wire and the in-process side.
 MAX_DRAFT_TOKENS = 64
+# Draft prefill chunk: the draft actor yields to other calls between chunks, and the
+# in-process drafter prefills in the same chunks, so both compute the same draft cache
+# (seeded requests draft the same tokens in-process and distributed).
+DRAFT_PREFILL_CHUNK = 256
 
 
 class _Request:
@@ -28,6 +32,7 @@ class _Request:
         self.sampling = sampling
         self.generator = torch.Generator().manual_seed(seed)
         self.committed = 0  # prompt + generated tokens
+        self.reserve = 0  # the tokens its row may hold
         self.drafted: list[int] = []  # the last proposed block
 
 
@@ -47,6 +52,29 @@ class LocalDrafter:
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:
+        for _ in self.start_chunked(
+            request_id, prompt_ids, sampling, seed, chunk_tokens=DRAFT_PREFILL_CHUNK
+        ):
+            pass
+
+    def start_chunked(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        chunk_tokens: int | None = None,
+    ) -> Iterator[None]:
+        """`start` a prefill chunk at a time (None: the whole prompt at once): reserves the
+        row at the first step and yields between chunks; the session exists once the
+        iterator is exhausted. A prompt that does not fit raises ValueError and a full
+        draft side WorkerUnavailableError, with nothing reserved; a chunk that raises
+        frees the row. Closed early, it leaves the row to its caller (`release`)."""
+        if not prompt_ids or len(prompt_ids) > self.runner.max_context:
+            raise ValueError(
+                f"{request_id}: a prompt of {len(prompt_ids)} tokens does not fit the draft "
+                f"model's context {self.runner.max_context}"
+            )
         # The draft row never holds more than the committed text (plus K - 1 drafts, which
         # the engine keeps under max_tokens and the context): the request's own length.
         reserve = min(self.runner.max_context, len(prompt_ids) + sampling.max_tokens)
@@ -54,11 +82,29 @@ class LocalDrafter:
             self.runner.start(request_id, reserve_tokens=reserve)
         except CapacityError as err:  # the engine goes on without drafts
             raise WorkerUnavailableError(f"draft model: {err}") from None
-        if len(prompt_ids) > 1:
-            self.runner.forward([request_id], [list(prompt_ids[:-1])], logits="none")
+        self._reqs.pop(request_id, None)  # a session of this id had its row replaced
+        body = list(prompt_ids[:-1])
+        step = chunk_tokens or max(1, len(body))
+        try:
+            for at in range(0, len(body), step):
+                if at:
+                    yield
+                self.runner.forward([request_id], [body[at : at + step]], logits="none")
+        except GeneratorExit:  # closed between chunks: the caller owns the row
+            raise
+        except BaseException:
+            self.runner.release(request_id)  # no session holds it: it would leak
+            raise
         req = _Request([prompt_ids[-1]], sampling, seed)
         req.committed = len(prompt_ids)
+        req.reserve = reserve
         self._reqs[request_id] = req
+
+    def room(self, request_id: str) -> int:
+        """The widest block the session's row can still take: its pending tokens and
+        K - 1 drafts go into the cache (KeyError for an unknown session)."""
+        req = self._reqs[request_id]
+        return req.reserve - self.runner.length(request_id) - len(req.pending) + 1
 
     def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | StaleBlockError]:
         out: list = [None] * len(rows)
@@ -70,6 +116,11 @@ class LocalDrafter:
             elif req.drafted:
                 out[i] = StaleBlockError(
                     f"{row.request_id}: the previous block was never committed"
+                )
+            elif row.k > self.room(row.request_id):  # the forward would fail every row
+                out[i] = StaleBlockError(
+                    f"{row.request_id}: {row.k} tokens exceed the row's room "
+                    f"{self.room(row.request_id)}"
                 )
             else:
                 live.append(i)

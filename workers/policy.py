@@ -7,11 +7,17 @@ tokens per second of step time, after SmartSpec (Liu et al., arXiv 2406.14066), 
 models it learns online from this engine's own steps:
 
 - Acceptance (`AcceptanceModel`): the probability that drafted position j is accepted
-  given that j - 1 were, per request, shrunk towards the running average of its rule
-  and delta (Cactus accepts more at a larger delta, so a delta = 0 row and a delta = 1
-  row of the same batch want different k; a position the rule has not drafted yet
-  starts at the rule's acceptance over all positions). A row drafting k tokens emits
-  E(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_m tokens in expectation.
+  given that j - 1 were, per request, shrunk towards the running average of its group,
+  its rule and delta (Cactus accepts more at a larger delta, so a delta = 0 row and a
+  delta = 1 row of the same batch want different k). A position the group has not
+  drafted yet starts at the group's acceptance over all positions, and a group with
+  little data at the acceptance of all its rule's groups pooled (a new delta starts
+  where the rule is, not at the uninformed `rule_prior`). At most `max_groups` groups
+  are kept (delta is the client's choice), the least recently observed going first. A
+  request whose max_divergence_nats is spent verifies with delta = 0 from then on and
+  is filed under its rule's delta = 0 group (`group_of(..., capped=True)`). A row
+  drafting k tokens emits E(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_m tokens in
+  expectation.
 - Step cost (`CostModel`): three linear fits over the last 96 steps at each max k
   (none older than 1,024 steps; the draft fit counts the steps that drafted), each
   from the quantities that drive it. A step is a dense [rows, max k + 1] block, so:
@@ -29,7 +35,10 @@ models it learns online from this engine's own steps:
   about twice the tokens of sps per step) but left out of the choice, which it cannot
   change (`CostModel.coefs`). No offline profiling: the first `warmup_steps` steps
   cycle through k = K, K/2, K/4, 0 (rounded up; so every coefficient is seen), and
-  afterwards every `explore_every`-th step moves the cap by one either way.
+  afterwards every `explore_every`-th step moves the cap by one either way; in the
+  steps that move it up, the rows the choice left at k = 0 draft too (the cap, or
+  their ceiling where lower), so that a row whose estimate says drafting does not pay
+  still learns whether it does (a row at k = 0 observes nothing).
 
 The choice (`_best`) is one k per step (the cap) and which rows draft at all: a row
 that drafts drafts the cap, or its own ceiling where that is lower (the step is a dense
@@ -37,12 +46,17 @@ block, so a row cut shorter saves little). It reads only what earlier steps left
 counts of accepted tokens and step timings. It never sees the current step's uniforms,
 drafts or target probabilities, so it cannot bias any rule's output law; the kernel is
 exact for every k (tests prove it).
+
+The engine's loop thread plans and learns while another thread (the actor's control
+group, `timings()`) reads `describe()`: every public entry point of
+`SpeculationPolicy` holds one lock (uncontended but for those reads).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -56,16 +70,21 @@ class PolicyConfig:
     explore_every: int = 16  # then every n-th step probes the cap +-1
     window: int = 256  # steps the cost fits remember
     window_per_k: int = 96  # > 0: remember this many steps per max k instead (0: off)
-    prior_strength: float = 4.0  # pseudo-counts of the rule's average in a row's estimate
+    # pseudo-counts of the group's average in a row's estimate, and of the rule's (all
+    # its groups pooled) in a group's
+    prior_strength: float = 4.0
     rule_prior: float = 0.5  # acceptance per position before a rule has any data
     rule_decay: float = 0.998  # forgetting of a rule's average per observation of a position
+    # acceptance groups kept (and given their own statistics): delta is the client's
+    # choice, so each distinct value would otherwise be kept for good
+    max_groups: int = 64
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.kind!r}")
         if self.window_per_k < 0:
             raise ValueError(f"window_per_k: must be >= 0, got {self.window_per_k}")
-        for name in ("warmup_steps", "explore_every", "window"):
+        for name in ("warmup_steps", "explore_every", "window", "max_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -109,7 +128,9 @@ class PolicyStats:
     short_rows: int = 0
 
     def as_dict(self) -> dict:
-        groups = sorted(self.rows)
+        ks_of: dict[str, dict[int, int]] = {g: {} for g in self.rows}
+        for (g, k), n in self.chosen_k.items():  # one pass, whatever the number of groups
+            ks_of.setdefault(g, {})[k] = n
         out = {
             "steps": self.steps,
             "predicted_time_s": self.predicted_time_s,
@@ -119,8 +140,8 @@ class PolicyStats:
             "short_rows": self.short_rows,
             "groups": {},
         }
-        for g in groups:
-            ks = {k: n for (gg, k), n in self.chosen_k.items() if gg == g}
+        for g in sorted(self.rows):
+            ks = ks_of[g]
             rows = self.rows[g]
             out["groups"][g] = {
                 "rows": rows,
@@ -132,9 +153,13 @@ class PolicyStats:
         return out
 
 
-def group_of(speculation) -> str:
-    """The acceptance group of a request: rows in one group share a prior."""
+def group_of(speculation, capped: bool = False) -> str:
+    """The acceptance group of a request: rows in one group share a prior. `capped`: the
+    request's max_divergence_nats is spent, so it verifies with delta = 0 from then on
+    (workers/engine.py) and accepts as its rule's delta = 0 group does."""
     rule = speculation.rule
+    if capped and rule in ("cactus", "cactus_exact"):
+        speculation = replace(speculation, delta=0.0)
     if rule in ("cactus", "cactus_exact"):
         return f"{rule}:{speculation.delta:g}"
     if rule == "tas":
@@ -143,12 +168,20 @@ def group_of(speculation) -> str:
     return rule
 
 
+def rule_of(group: str) -> str:
+    """The rule of an acceptance group ("cactus:1" -> "cactus", "tas:0.09/0.3" -> "tas")."""
+    return group.split(":", 1)[0]
+
+
 class AcceptanceModel:
-    """Per-position conditional acceptance, per request, shrunk to its group's average."""
+    """Per-position conditional acceptance, per request, shrunk to its group's average,
+    and a group's to its rule's (all the rule's groups pooled)."""
 
     def __init__(self, config: PolicyConfig) -> None:
         self.c = config
-        self._groups: dict[str, np.ndarray] = {}  # [2, P]: reached, accepted (decayed)
+        # [2, P]: reached, accepted (decayed); least recently observed first
+        self._groups: dict[str, np.ndarray] = {}
+        self._rules: dict[str, np.ndarray] = {}  # [2]: the sums of the rule's groups
         self._rows: dict[str, np.ndarray] = {}  # [2, P] per request
 
     @staticmethod
@@ -165,11 +198,18 @@ class AcceptanceModel:
         g = self._grow(self._groups.get(group), size)
         # A position of the group is shrunk towards the group's acceptance over all
         # positions (about the same at every position: Cactus delta 1 accepts 0.94-0.97
-        # at each of 1..8, sps 0.76-0.84), and that towards rule_prior. A position the
-        # policy has not drafted yet so starts where the others are, not at the
-        # uninformed prior: otherwise a group whose drafts were short (the policy learnt
-        # on another load or rule) lengthens them one probed position at a time.
-        pooled = (g[1].sum() + 2.0 * self.c.rule_prior) / (g[0].sum() + 2.0)
+        # at each of 1..8, sps 0.76-0.84), that towards the acceptance of all the
+        # rule's groups pooled, and that towards rule_prior. A position the policy has
+        # not drafted yet so starts where the others are, not at the uninformed prior:
+        # otherwise a group whose drafts were short (the policy learnt on another load
+        # or rule) lengthens them one probed position at a time. Likewise a new group
+        # (a delta not seen before) starts where its rule is: at 0.5 it could look
+        # not worth drafting, and a row that does not draft learns nothing.
+        rule = self._rules.get(rule_of(group))
+        rule_pooled = self.c.rule_prior
+        if rule is not None:
+            rule_pooled = (rule[1] + 2.0 * rule_pooled) / (rule[0] + 2.0)
+        pooled = (g[1].sum() + m * rule_pooled) / (g[0].sum() + m)
         g = g[:, :size]
         prior = (g[1] + 2.0 * pooled) / (g[0] + 2.0)
         r = self._grow(self._rows.get(request_id), size)[:, :size]
@@ -183,7 +223,9 @@ class AcceptanceModel:
         reached[: min(accepted + 1, k)] = 1.0  # position j was reached if j - 1 accepted
         took = np.zeros(k)
         took[:accepted] = 1.0
-        g = self._grow(self._groups.get(group), k)
+        g = self._groups.pop(group, None)  # back in last: the most recently observed
+        before = g.sum(axis=1) if g is not None else 0.0
+        g = self._grow(g, k)
         # Forget per position, as new evidence about it arrives: a position that is
         # not reached (the policy drafts shorter for a while) keeps its estimate
         # instead of sliding back to the uninformed prior, which would make long
@@ -192,10 +234,29 @@ class AcceptanceModel:
         g[0, :k] += reached
         g[1, :k] += took
         self._groups[group] = g
+        total = self._rules.setdefault(rule_of(group), np.zeros(2))
+        total += g.sum(axis=1) - before
+        while len(self._groups) > self.c.max_groups:
+            self._evict(next(iter(self._groups)))
         r = self._grow(self._rows.get(request_id), k)
         r[0, :k] += reached
         r[1, :k] += took
         self._rows[request_id] = r
+
+    def _evict(self, group: str) -> None:
+        """Drop a group; its rule's pool is summed afresh from the groups left."""
+        del self._groups[group]
+        rule = rule_of(group)
+        left = [g.sum(axis=1) for name, g in self._groups.items() if rule_of(name) == rule]
+        if left:
+            self._rules[rule] = np.sum(left, axis=0)
+        else:
+            self._rules.pop(rule, None)
+
+    @property
+    def groups(self) -> list[str]:
+        """The groups kept, least recently observed first."""
+        return list(self._groups)
 
     def forget(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
@@ -255,6 +316,7 @@ class _Fit:
 
     def coef(self) -> np.ndarray:
         if self._stale and len(self):
+            seen = self.t  # a row added meanwhile (another thread) leaves the fit stale
             d = self.scale
             a, b = self.xtx / np.outer(d, d), self.xty / d  # the fit on scaled features
             keep = np.ones(len(d), dtype=bool)
@@ -268,7 +330,7 @@ class _Fit:
                     break
                 keep &= theta >= 0
             self.theta = np.maximum(theta, 0.0) / d
-            self._stale = False
+            self._stale = self.t != seen
         return self.theta
 
 
@@ -329,13 +391,18 @@ class CostModel:
 
 
 class SpeculationPolicy:
-    """Chooses k per row; `fixed` takes every ceiling, `goodput` maximises tokens/s."""
+    """Chooses k per row; `fixed` takes every ceiling, `goodput` maximises tokens/s.
+
+    Thread-safe: plan, observe_rows, observe_time, forget and describe hold one lock
+    (the engine's loop calls all but describe, which another thread reads)."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
         self.acceptance = AcceptanceModel(self.config)
         self.cost = CostModel(self.config.window, self.config.window_per_k)
         self.stats = PolicyStats()
+        self._stats_groups: set[str] = set()  # groups with statistics of their own
+        self._lock = threading.Lock()
 
     @property
     def kind(self) -> str:
@@ -345,6 +412,10 @@ class SpeculationPolicy:
 
     def plan(self, rows: list[PolicyRow]) -> Plan:
         """k for every row of the next step (rows with `fixed` keep theirs)."""
+        with self._lock:
+            return self._plan(rows)
+
+    def _plan(self, rows: list[PolicyRow]) -> Plan:
         gains = self._gains(rows)
         if self.config.kind == "fixed":
             return self._planned(rows, [r.ceiling for r in rows], gains)
@@ -360,13 +431,19 @@ class SpeculationPolicy:
         if n % self.config.explore_every == 0 and ks:
             # probe one step away from the choice, so the cost fits keep seeing how
             # time moves with k: every other probe the longest rows draft one more,
-            # the others one less
+            # the others one less. In the steps up, the rows left at k = 0 draft the
+            # step's k too (1 where no row drafts): their estimate moves only if they
+            # draft, and one that started too low would otherwise never draft again.
             top = max(ks)
             up = (n // self.config.explore_every) % 2 == 1
-            probe = [
-                min(k + 1, r.ceiling) if up and k == top else min(k, top - 1) if not up else k
-                for r, k in zip(rows, ks, strict=True)
-            ]
+            if up:
+                start = max(top, 1)  # the rows at k = 0 (top = 0: every row)
+                probe = [
+                    min(k + 1, r.ceiling) if k == top else min(start, r.ceiling) if k == 0 else k
+                    for r, k in zip(rows, ks, strict=True)
+                ]
+            else:
+                probe = [min(k, top - 1) for k in ks]
             probe = [k if r.fixed is None else r.fixed for r, k in zip(rows, probe, strict=True)]
             probe = [max(k, 0) for k in probe]
             if probe != ks:
@@ -447,6 +524,21 @@ class SpeculationPolicy:
 
     def observe_rows(self, rows: list[PolicyRow], ks, accepted, expected) -> None:
         """What a step's acceptance gave, per row."""
+        with self._lock:
+            self._observe_rows(rows, ks, accepted, expected)
+
+    def _stats_group(self, group: str) -> str:
+        """The group's key in the statistics: its own for the first `max_groups` groups
+        seen, then one "<rule>:other" per rule (counters only grow per key, so windows
+        of them can be subtracted)."""
+        if group in self._stats_groups:
+            return group
+        if len(self._stats_groups) < self.config.max_groups:
+            self._stats_groups.add(group)
+            return group
+        return f"{rule_of(group)}:other"
+
+    def _observe_rows(self, rows: list[PolicyRow], ks, accepted, expected) -> None:
         st = self.stats
         st.steps += 1
         top = max(ks, default=0)
@@ -455,10 +547,11 @@ class SpeculationPolicy:
         for r, k, a, e in zip(rows, ks, accepted, expected, strict=True):
             if k:
                 self.acceptance.observe(r.request_id, r.group, k, a)
-            st.chosen_k[r.group, k] += 1
-            st.rows[r.group] += 1
-            st.predicted_tokens[r.group] += e
-            st.realised_tokens[r.group] += a + 1
+            g = self._stats_group(r.group)
+            st.chosen_k[g, k] += 1
+            st.rows[g] += 1
+            st.predicted_tokens[g] += e
+            st.realised_tokens[g] += a + 1
 
     def observe_time(
         self,
@@ -471,24 +564,33 @@ class SpeculationPolicy:
         tokens: float = 0.0,
     ) -> None:
         """A step's times; `tokens`: what it emitted (accepted + 1 per row)."""
-        if predicted_s > 0:
-            self.stats.predicted_time_s += predicted_s
-            self.stats.realised_time_s += draft_s + verify_s + rest_s
-            self.stats.timed_steps += 1
-        self.cost.observe(ks, lags, draft_s, verify_s, rest_s, tokens=tokens)
+        with self._lock:
+            if predicted_s > 0:
+                self.stats.predicted_time_s += predicted_s
+                self.stats.realised_time_s += draft_s + verify_s + rest_s
+                self.stats.timed_steps += 1
+            self.cost.observe(ks, lags, draft_s, verify_s, rest_s, tokens=tokens)
+
+    def predict_time(self, ks, lags, tokens: float = 0.0) -> float:
+        """The cost model's step time for these ks (CostModel.predict), under the lock."""
+        with self._lock:
+            return self.cost.predict(ks, lags, tokens=tokens)
 
     def forget(self, request_id: str) -> None:
-        self.acceptance.forget(request_id)
+        with self._lock:
+            self.acceptance.forget(request_id)
 
     def describe(self) -> dict:
         """The statistics, and the cost fits' current coefficients (seconds per unit of
-        each feature, see CostModel), for reports and debugging."""
-        out = self.stats.as_dict()
-        d, v, r = self.cost.coefs()
-        out["cost_model"] = {
-            "draft": d.tolist(),
-            "verify": v.tolist(),
-            "rest": r.tolist(),
-            "per_emitted_token": self.cost.per_token_s(),
-        }
+        each feature, see CostModel), for reports and debugging. Safe from any thread."""
+        with self._lock:
+            out = self.stats.as_dict()
+            d, v, r = self.cost.coefs()
+            out["cost_model"] = {
+                "draft": d.tolist(),
+                "verify": v.tolist(),
+                "rest": r.tolist(),
+                "per_emitted_token": self.cost.per_token_s(),
+            }
+            out["acceptance_groups"] = len(self.acceptance.groups)
         return out

@@ -217,6 +217,15 @@ class RequestState:
         self.deadline = time.monotonic() + limit if limit else None
 
     @property
+    def policy_group(self) -> str:
+        """The acceptance group the policy files the request under: its own, or once its
+        max_divergence_nats is spent (it verifies with delta = 0 from then on), its
+        rule's delta-0 group."""
+        if self.stats.divergence_capped:
+            return group_of(self.request.speculation, capped=True)
+        return self.group
+
+    @property
     def committed(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
 

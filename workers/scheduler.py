@@ -2,9 +2,11 @@
 
 vLLM's V1 policy in miniature: first come, first served; a request is admitted when a
 row is free (max_num_seqs) and its KV reservation fits the verifier's budget, otherwise
-it waits (it is never dropped; nothing behind it overtakes it). Each step spends a token
-budget (max_num_batched_tokens) on the running rows' decode tokens first, then on
-chunks of the prompts being prefilled, so a long prompt never stalls the running rows.
+it waits (it is never dropped; nothing behind it overtakes it). Each step runs every
+running row's decode tokens (K + 1 each, never cut, even past the budget), then chunks of
+the prompts being prefilled with what the decode tokens left of a token budget
+(max_num_batched_tokens), at least min_prefill_chunk tokens while any prompt waits: a long
+prompt never stalls the running rows, and no prompt waits for ever.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from workers.request import RequestState
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32  # requests in the batch (rows), prefilling or decoding
-    max_num_batched_tokens: int = 512  # tokens a step may compute, decode tokens first
+    # a step's token budget: decode tokens (never cut) first, prompt chunks get what is left
+    max_num_batched_tokens: int = 512
     min_prefill_chunk: int = 32  # prompt tokens a step always prefills when any wait
     policy: str = "goodput"  # speculation policy: k per row per step (workers/policy.py)
     # an idle engine, given a request, waits up to this long for each further arrival
@@ -73,7 +76,8 @@ class Scheduler:
         return admitted
 
     def prefill_plan(self, decode_tokens: int) -> list[tuple[RequestState, int]]:
-        """(request, tokens) chunks for this step, within what the decode rows left."""
+        """(request, tokens) chunks for this step: what the decode tokens left of the
+        budget, at least min_prefill_chunk (decode tokens are never cut)."""
         c = self.config
         budget = max(c.max_num_batched_tokens - decode_tokens, c.min_prefill_chunk)
         plan = []

@@ -14,6 +14,13 @@ engine actor dies, and no streamed token is lost.
   a unary request runs again from the start with the same seed. Requests that arrive
   meanwhile wait for the engine within their deadline. Only when recovery fails, or a
   request ran out of attempts, does it end, with WorkerUnavailableError (UNAVAILABLE).
+  A stream whose result was sent is never resumed (its client has all of it), and a
+  cancelled request (a drain's cut included) is never started again.
+- A draft actor that cannot be replaced in `restart_attempts` tries in a row is given
+  up on (each try starts a process and loads the draft model): requests go on without
+  drafts for the rest of the replica's life, and `speculating` stays False.
+- Once stopped (`shutdown`, or its group shut down), the supervisor restarts and
+  replaces nothing, and requests waiting for a restart end UNAVAILABLE.
 
 Which errors mean "the engine is gone" is decided in one place: cactus.errors.
 Serve's own replica restart stays the last resort: check_health fails only once the
@@ -33,6 +40,7 @@ from dataclasses import dataclass, replace
 
 from cactus.errors import (
     InvalidRequestError,
+    RequestCancelledError,
     WorkerUnavailableError,
     is_engine_failure,
     unwrap,
@@ -72,6 +80,10 @@ class EngineSupervisor:
         self._recovery: asyncio.Task | None = None
         self._replacing_draft: asyncio.Task | None = None
         self._inner: dict[str, str] = {}  # request id -> the id of its current attempt
+        self._cancelled: dict[str, asyncio.Event] = {}  # request id -> set by cancel
+        self.draft_given_up = False  # replacing the draft actor failed: no more tries
+        self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._info = group.model_info()
         # called on every change of state or restart counter (the replica's metrics
         # follow at once rather than at Serve's next health check)
@@ -86,29 +98,61 @@ class EngineSupervisor:
 
     # ---- lifecycle -------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Stopped (`shutdown`), or its group was shut down (the ingress's __del__ shuts
+        the group down directly): nothing is restarted or replaced any more."""
+        return self._stopped or getattr(self.group, "closed", False) is True
+
+    def shutdown(self) -> None:
+        """Stop watching and restarting the engine, then shut its group down (that
+        waits for a restart in progress, and refuses later ones). Requests waiting for a
+        restart end UNAVAILABLE. Callable from any thread; idempotent."""
+        self._stopped = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop is shutting down
+                loop.call_soon_threadsafe(self._wake)
+        self.group.shutdown()
+
+    def _wake(self) -> None:
+        """On the event loop, once closed: requests waiting for a restart see it."""
+        if self._ready is not None:
+            self._ready.set()
+        if self._monitor is not None and self._monitor is not asyncio.current_task():
+            self._monitor.cancel()
+
     def _ensure_started(self) -> None:
         """Start the monitor on the caller's event loop (the replica's)."""
         if self._ready is None:
             self._ready = asyncio.Event()
             self._ready.set()
+        self._loop = asyncio.get_running_loop()
+        if self.closed:
+            return
         if self._monitor is None or self._monitor.done():
-            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+            self._monitor = self._loop.create_task(self._watch())
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.config.check_period_s)
+            if self.closed:
+                self._wake()
+                return
             if self.state != SERVING:
                 continue
             generation = self.generation
             probed_draft = self.group.draft
             ranks_ok, draft_ok = await self._probe()
+            if self.closed:  # shut down during the probe: its answers mean nothing
+                continue
             # a probe that outlasted a draft replacement asked the old draft actor
             current = self._replacing_draft is None and self.group.draft is probed_draft
             if current:
                 self.draft_ok = draft_ok
             if not ranks_ok:
                 self.engine_failed(generation, "a verifier rank does not answer")
-            elif not draft_ok and current:
+            elif not draft_ok and current and not self.draft_given_up:
                 self._replacing_draft = asyncio.get_running_loop().create_task(
                     self._replace_draft()
                 )
@@ -135,6 +179,8 @@ class EngineSupervisor:
         self._changed()
         try:
             for attempt in range(self.config.restart_attempts):
+                if self.closed:
+                    return
                 try:
                     await asyncio.to_thread(self.group.replace_draft)
                     self.draft_ok = True
@@ -145,6 +191,15 @@ class EngineSupervisor:
                 except Exception:
                     logger.exception("replacing the draft actor failed (attempt %d)", attempt + 1)
                     await asyncio.sleep(min(8.0, 0.5 * 2**attempt))
+            if not self.closed:
+                # each try starts an actor process and loads the draft model: no endless
+                # round of them; requests decode without drafts (the degraded mode)
+                self.draft_given_up = True
+                logger.error(
+                    "the draft actor could not be replaced in %d attempts: requests go on "
+                    "without speculation for the rest of this replica's life",
+                    self.config.restart_attempts,
+                )
         finally:
             self.degraded_since = None
             self._replacing_draft = None
@@ -152,7 +207,7 @@ class EngineSupervisor:
     def engine_failed(self, generation: int, why: str) -> None:
         """Start a gang restart, once per engine generation."""
         self._ensure_started()
-        if generation != self.generation or self.state != SERVING:
+        if generation != self.generation or self.state != SERVING or self.closed:
             return
         logger.warning("engine generation %d failed (%s): restarting the ranks", generation, why)
         self.state = RECOVERING
@@ -165,6 +220,9 @@ class EngineSupervisor:
         self.counters["rank_restarts"] += 1
         self._changed()
         for attempt in range(self.config.restart_attempts):
+            if self.closed:  # shut down meanwhile: the group refuses restarts
+                self._ready.set()
+                return
             try:
                 await asyncio.to_thread(self.group.restart_ranks)
                 self.generation += 1
@@ -181,16 +239,30 @@ class EngineSupervisor:
         self._ready.set()
         self._changed()
 
-    async def _wait_ready(self, deadline: float | None) -> int:
+    async def _wait_ready(self, deadline: float | None, request_id: str = "") -> int:
         """The engine generation to run on, once it serves; UNAVAILABLE if it does not
-        within the request's deadline (or the recovery timeout)."""
+        within the request's deadline (or the recovery timeout). A request cancelled
+        before or during the wait (a drain's cut) ends at once, RequestCancelledError."""
         self._ensure_started()
-        if self.state == RECOVERING:
+        cancelled = self._cancelled.get(request_id)
+        if self.state == RECOVERING and not self.closed:
             limit = self.config.recovery_timeout_s
             if deadline is not None:
                 limit = min(limit, deadline - time.monotonic())
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), max(0.0, limit))
+            waits = [asyncio.ensure_future(self._ready.wait())]
+            if cancelled is not None:
+                waits.append(asyncio.ensure_future(cancelled.wait()))
+            try:
+                await asyncio.wait(
+                    waits, timeout=max(0.0, limit), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        if cancelled is not None and cancelled.is_set():
+            raise RequestCancelledError(f"request {request_id} cancelled")
+        if self.closed:
+            raise WorkerUnavailableError("the engine was shut down; retry on another replica")
         if self.state != SERVING:
             raise WorkerUnavailableError("the engine is restarting; retry later")
         return self.generation
@@ -205,7 +277,7 @@ class EngineSupervisor:
         an actor, so it answers at once. A dead draft actor leaves it True (requests go
         on by plain decoding); `speculating` tells that case."""
         self._ensure_started()
-        return self.state == SERVING
+        return self.state == SERVING and not self.closed
 
     def speculating(self) -> bool:
         """The draft actor answered the last probe, or a new one has taken over since
@@ -218,7 +290,13 @@ class EngineSupervisor:
         return self.state != FAILED
 
     def cancel(self, request_id: str) -> None:
+        """Stop a request: its running attempt on rank 0, and every later one. One that
+        waits for a restart (between attempts) ends at once with RequestCancelledError;
+        a drain's cut relies on that (deployments/drain.py)."""
         inner = self._inner.get(request_id)
+        if inner is None:  # not running (any more)
+            return
+        self._cancelled[request_id].set()
         if inner:  # "" while between attempts
             self.group.cancel(inner)
 
@@ -237,6 +315,11 @@ class EngineSupervisor:
         if request_id in self._inner:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self._inner[request_id] = ""  # no attempt running yet: nothing to cancel
+        self._cancelled[request_id] = asyncio.Event()
+
+    def _release(self, request_id: str) -> None:
+        self._inner.pop(request_id, None)
+        self._cancelled.pop(request_id, None)
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Unary: nothing was sent, so a failed attempt runs again from the start with
@@ -247,7 +330,7 @@ class EngineSupervisor:
             deadline = _deadline(request)
             attempt = 0
             while True:
-                generation = await self._wait_ready(deadline)
+                generation = await self._wait_ready(deadline, request.request_id)
                 inner = _attempt(request, attempt, deadline)
                 self._inner[request.request_id] = inner.request_id
                 try:
@@ -257,7 +340,7 @@ class EngineSupervisor:
                     self._inner[request.request_id] = ""
                     attempt = self._failed_attempt(err, generation, attempt, request)
         finally:
-            self._inner.pop(request.request_id, None)
+            self._release(request.request_id)
 
     async def astream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Streaming: resume after the last token sent (same request, fresh seed)."""
@@ -270,9 +353,10 @@ class EngineSupervisor:
             stats = None  # the statistics as of the last chunk sent
             attempt = 0
             while True:
-                generation = await self._wait_ready(deadline)
+                generation = await self._wait_ready(deadline, request.request_id)
                 inner = _attempt(request, attempt, deadline, sent, sent_chars, stats)
                 self._inner[request.request_id] = inner.request_id
+                finished = False  # the result was sent: the stream is complete
                 try:
                     # closed with this generator: a stream the caller leaves is cancelled
                     # on rank 0 at once (EngineGroup.astream), not when it is collected
@@ -284,13 +368,30 @@ class EngineSupervisor:
                             result = chunk.result
                             if result is not None:
                                 result = _as_original(result, request, attempt)
+                                finished = True
                             yield replace(chunk, request_id=request.request_id, result=result)
                     return
                 except Exception as err:
                     self._inner[request.request_id] = ""
+                    if finished:
+                        # rank 0 failed after the result went out (before Ray's stream
+                        # ended): the client has the whole stream; resuming it would
+                        # decode past its end (a second result) or refuse it
+                        self._failed_after_result(err, generation, request)
+                        return
                     attempt = self._failed_attempt(err, generation, attempt, request)
         finally:
-            self._inner.pop(request.request_id, None)
+            self._release(request.request_id)
+
+    def _failed_after_result(self, err, generation: int, request) -> None:
+        """An error once the stream's result was sent ends nothing more: an engine
+        failure starts recovery (for the next requests), anything else is logged."""
+        if is_engine_failure(err):
+            self.engine_failed(generation, f"{type(unwrap(err)).__name__} after a result")
+        else:
+            logger.warning(
+                "request %s: %r after its result was sent (ignored)", request.request_id, err
+            )
 
     def _failed_attempt(self, err, generation: int, attempt: int, request) -> int:
         """Re-raise what is not an engine failure; else start recovery and count the

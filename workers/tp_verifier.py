@@ -17,6 +17,7 @@ gloo (CPU) or NCCL (GPU) and nothing is left behind in /dev/shm.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import random
 import socket
@@ -30,6 +31,8 @@ from cactus.errors import EngineFailedError, is_engine_failure
 from workers.batch_runner import BatchRunner
 
 SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
+
+logger = logging.getLogger("cactus.tp")
 
 
 # Ports picked for a later bind come from below the kernel's ephemeral range and above
@@ -87,14 +90,17 @@ class MirroredRunner:
         if self.failed is not None:
             raise EngineFailedError(f"tensor-parallel group is down: {self.failed}")
 
-    def _broke(self, err: BaseException) -> BaseException:
-        """A mirrored op failed on rank 0: the ranks are out of step from here on, so
-        the group is done whatever the cause; a collective failure (a rank died) is an
-        EngineFailedError, anything else stays what it is (a bug)."""
+    def _broke(self, err: BaseException) -> EngineFailedError:
+        """A mirrored op failed on rank 0: the ranks are out of step from here on (the
+        followers ran it, or wait in its collective), so the group is done whatever the
+        cause: a collective failure (a rank died) or one of rank 0's own (an
+        out-of-memory on its GPU, a bug) alike. EngineFailedError, so the step's requests
+        are resumed on a restarted group (workers/supervisor.py), and `failed` makes
+        rank 0's ping fail, so the supervisor's probe restarts it without a request."""
         self.failed = err
-        if is_engine_failure(err):
-            return EngineFailedError(f"tensor-parallel group failed: {err}")
-        return err
+        if not is_engine_failure(err):  # not a rank's death: say what it was
+            logger.error("a mirrored operation failed on rank 0", exc_info=err)
+        return EngineFailedError(f"tensor-parallel group failed: {type(err).__name__}: {err}")
 
     def __getattr__(self, name):  # read-only properties: vocab_size, max_context, ...
         return getattr(self.runner, name)

@@ -18,6 +18,10 @@ from protos.cactus.internal.v1 import speculation_pb2 as pb
 from workers.interfaces import DraftBlock
 
 SPARSE_MAX_FILL = 1 / 3
+# gRPC's largest message (a signed 32-bit length): the internal channel's limit on both
+# sides. The draft side keeps every reply under its own budget (at most this), failing
+# only the rows that do not fit (workers/draft_service.py), so no batch fails whole.
+MAX_MESSAGE_BYTES = (1 << 31) - 1
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -41,7 +45,8 @@ def fill_block(msg: pb.DraftBlock, block: DraftBlock) -> None:
     msg.epoch = block.epoch
     msg.token_ids.extend(block.token_ids)
     msg.vocab_size = vocab
-    flat = np.flatnonzero(probs > 0)  # (np.nonzero on the 2-D mask is 10x slower)
+    # != 0, not > 0: NaN and negative values travel, so the receiver refuses the block
+    flat = np.flatnonzero(probs != 0)  # (np.nonzero on the 2-D mask is 10x slower)
     if flat.size <= SPARSE_MAX_FILL * k * vocab:
         rows, cols = np.divmod(flat, vocab)
         msg.sparse.row_lengths.extend(np.bincount(rows, minlength=k).tolist())
@@ -79,15 +84,15 @@ def _decode_probs(msg: pb.DraftBlock, k: int, vocab: int) -> torch.Tensor:
     non-negative), the zeros a sparse block leaves out need no check."""
     which = msg.WhichOneof("probs")
     if which == "dense":
-        vals = np.frombuffer(msg.dense.float32_le, dtype="<f4")
+        vals = _array(msg, msg.dense.float32_le, "<f4", "dense probs")
         if vals.size != k * vocab:
             raise StaleBlockError(f"{msg.request_id}: dense probs of {vals.size} values")
         _check_values(msg.request_id, vals)
         return torch.from_numpy(vals.astype(np.float32).reshape(k, vocab))
     if which == "sparse":
         lengths = np.asarray(msg.sparse.row_lengths, dtype=np.int64)
-        ids = np.frombuffer(msg.sparse.ids_int32_le, dtype="<i4")
-        vals = np.frombuffer(msg.sparse.probs_float32_le, dtype="<f4")
+        ids = _array(msg, msg.sparse.ids_int32_le, "<i4", "sparse ids")
+        vals = _array(msg, msg.sparse.probs_float32_le, "<f4", "sparse probs")
         if lengths.size != k or int(lengths.sum()) != ids.size or ids.size != vals.size:
             raise StaleBlockError(f"{msg.request_id}: sparse probs with inconsistent sizes")
         if ids.size and (ids.min() < 0 or ids.max() >= vocab):
@@ -97,6 +102,13 @@ def _decode_probs(msg: pb.DraftBlock, k: int, vocab: int) -> torch.Tensor:
         probs[np.repeat(np.arange(k), lengths), ids] = vals
         return torch.from_numpy(probs)
     raise StaleBlockError(f"{msg.request_id}: block without probabilities")
+
+
+def _array(msg: pb.DraftBlock, data: bytes, dtype: str, what: str) -> np.ndarray:
+    """The bytes as an array; a length that is no whole number of items is malformed."""
+    if len(data) % np.dtype(dtype).itemsize:
+        raise StaleBlockError(f"{msg.request_id}: {what} of {len(data)} bytes")
+    return np.frombuffer(data, dtype=dtype)
 
 
 def _check_values(request_id: str, vals: np.ndarray) -> None:

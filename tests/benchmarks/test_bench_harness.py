@@ -253,6 +253,69 @@ def test_a_load_level_measures_only_the_window_after_its_settle_time():
     assert 0 < res.requests < len(servicer.started) and len(res.ttft) == res.requests
 
 
+def test_the_policy_statistics_cover_the_measured_window_only():
+    """bench_policy reads rank 0's policy statistics as a cell's settle time ends and as
+    its window ends, not before the settle time and after the streams drained: the
+    mean k and predicted / realised ratios then cover the steps the tokens/s counts.
+    A stub cell: 0.4 s of settle time at k = 1, a 0.6 s window at k = 8, then 0.4 s
+    of draining streams at k = 1; the window's statistics show k = 8 only."""
+    import threading
+    import time
+
+    from benchmarks.bench_policy import _in_window
+
+    lock = threading.Lock()
+    stats = {"steps": 0, "predicted_time_s": 0.0, "realised_time_s": 0.0, "chosen_k": {}}
+
+    def snapshot():
+        with lock:
+            rows = stats["steps"]
+            return {
+                "steps": stats["steps"],
+                "predicted_time_s": stats["predicted_time_s"],
+                "realised_time_s": stats["realised_time_s"],
+                "groups": {
+                    "cactus:1": {
+                        "rows": rows,
+                        "chosen_k": dict(stats["chosen_k"]),
+                        "predicted_tokens": 2.0 * rows,
+                        "realised_tokens": rows,
+                    }
+                }
+                if rows
+                else {},
+            }
+
+    def cell():  # a step every 10 ms: k = 1, but k = 8 in the window [0.4 s, 1.0 s)
+        start = time.monotonic()
+        while (now := time.monotonic() - start) < 1.4:
+            k = 8 if 0.4 <= now < 1.0 else 1
+            with lock:
+                stats["steps"] += 1
+                stats["chosen_k"][k] = stats["chosen_k"].get(k, 0) + 1
+                stats["predicted_time_s"] += 0.01
+                stats["realised_time_s"] += 0.02
+            time.sleep(0.01)
+        return "result"
+
+    result, window = _in_window(cell, 0.4, 0.6, snapshot)
+    assert result == "result"
+    g = window["groups"]["cactus:1"]
+    assert set(g["chosen_k"]) <= {1, 8}
+    # a timer thread's sleeps may end a step or two late; the whole run (settle time
+    # and drain included) would give mean k near 5
+    assert g["chosen_k"].get(8, 0) >= 20 and g["chosen_k"].get(1, 0) <= 4, g["chosen_k"]
+    assert g["mean_k"] > 6.5, g
+    assert 20 <= window["steps"] <= 70, window["steps"]
+    assert window["realised_time_s"] == pytest.approx(2 * window["predicted_time_s"])
+
+    def broken():
+        raise RuntimeError("rank 0 is gone")
+
+    with pytest.raises(RuntimeError, match="rank 0 is gone"):
+        _in_window(lambda: None, 0.0, 0.0, broken)
+
+
 def test_the_policy_replay_charges_each_policy_its_counterfactual_tokens():
     """benchmarks.policy_replay on made-up traces: a row that accepts all 8 wants K = 8
     at every cost, one that accepts none wants K = 0; the replayed policy learns either

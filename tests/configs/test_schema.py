@@ -313,3 +313,17 @@ def test_serve_refuses_model_folders_that_are_not_there_on_its_own_head(tmp_path
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"models.verifier: no such folder: {tmp_path / 'nope'}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "READY" not in out.stdout
+
+
+def test_the_token_budget_is_documented_as_the_scheduler_spends_it():
+    """The budget never cuts decode (32 rows at K = 8 run their 288 tokens even with a
+    budget of 128; tests/workers/test_scheduler.py pins that), and a waiting prompt still
+    gets min_prefill_chunk (32) tokens: the description says so rather than promising a
+    bound on what a step computes."""
+    from configs.schema import BatchingConfig
+    from workers.scheduler import SchedulerConfig
+
+    text = BatchingConfig.model_fields["max_num_batched_tokens"].description
+    assert "decode is never cut" in text and "at least 32 prompt tokens" in text
+    assert "tokens one engine step computes" not in text
+    assert SchedulerConfig().min_prefill_chunk == 32  # the "32" above

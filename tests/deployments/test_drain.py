@@ -7,12 +7,13 @@ test_chat_e2e's last test."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
 import pytest
 
-from cactus.errors import RequestCancelledError, ServerShuttingDownError
+from cactus.errors import EngineFailedError, RequestCancelledError, ServerShuttingDownError
 from cactus.params import GenerationRequest, SamplingParams
 from deployments.drain import DrainingEngine
 from deployments.ingress import RequestError
@@ -250,3 +251,58 @@ def test_an_open_health_watch_keeps_the_watch_asking_and_ends_once_draining():
     assert statuses == [status.SERVING, status.NOT_SERVING]
     assert len(asks) >= 3  # asked although no request ran: the Watch was open
     assert ended < 2.0, ended
+
+
+def test_a_cut_ends_requests_waiting_for_a_restart():
+    """README: a request still running when the drain time is up ends UNAVAILABLE; that
+    includes one the supervisor holds between two attempts while the ranks restart
+    (there is no attempt on rank 0 to cancel then): it ends at the cut, not with a
+    fresh attempt after the restart."""
+    from tests.workers.test_supervisor_limits import FlakyGroup, _config
+    from workers.supervisor import EngineSupervisor
+
+    release = threading.Event()
+
+    class RestartingGroup(FlakyGroup):
+        """Both attempts fail as a dead rank 0 does, the stream after a token; the gang
+        restart then takes until the test ends."""
+
+        def restart_ranks(self) -> None:
+            release.wait(10.0)
+            super().restart_ranks()
+
+        async def agenerate(self, request):
+            self.calls += 1
+            await asyncio.sleep(0.05)
+            raise EngineFailedError("rank 0 died")
+
+        async def astream(self, request):
+            self.calls += 1
+            yield GenerationChunk(request.request_id, (1,), "x")
+            await asyncio.sleep(0.05)
+            raise EngineFailedError("rank 0 died")
+
+    async def scenario():
+        group = RestartingGroup(fail=0)
+        engine = DrainingEngine(EngineSupervisor(group, _config()))
+        chunks: list = []
+        stream = asyncio.create_task(_collect(engine, _req("s"), chunks))
+        unary = asyncio.create_task(engine.agenerate(_req("u")))
+        while engine.inner.state == "SERVING":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.15)  # both failed and wait for the restart now
+        assert group.calls == 2 and engine.inner._inner == {"s": "", "u": ""}
+        assert engine.running == {"s", "u"} and len(chunks) == 1
+        start = time.monotonic()
+        assert engine.cut("the server is shutting down (test)") == 2
+        for task in (stream, unary):
+            with pytest.raises(ServerShuttingDownError, match="shutting down"):
+                await asyncio.wait_for(task, 1.0)
+        return time.monotonic() - start, group
+
+    try:
+        ended, group = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert ended < 1.0, ended
+    assert group.calls == 2  # neither started again

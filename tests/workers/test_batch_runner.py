@@ -275,3 +275,104 @@ def test_rows_grow_lazily(tiny_checkpoints):
     bat.start("two")  # reserve defaults to max_context (256)
     assert (bat.rows_allocated, bat.t_capacity) == (2, 256)
     assert bat._cache.layers[0].keys.shape[::2] == (2, 256)
+
+
+@pytest.mark.parametrize("freed", ["hole", "last"])
+def test_a_freed_rows_non_finite_kv_never_reaches_a_later_sequence(freed, tiny_checkpoints):
+    """A sequence whose keys/values overflowed (NaN from slot 3 on, rolled-back slots too)
+    ends. Its row's slots must not reach the sequence that gets the row next: the mask is
+    additive, so a masked NaN slot still makes a row's attention NaN whenever the forward's
+    kv_len reaches it (a longer row beside it). "hole": the last row moves into the freed
+    row and keeps its tail; "last": the freed row is the last one and a new sequence gets it."""
+    path = tiny_checkpoints["llama"]
+    ref = ModelRunner(path)
+    bat = BatchRunner(path, model=ref.model, max_num_seqs=3)
+    gen = torch.Generator().manual_seed(5)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, bat.vocab_size, (n,), generator=gen).tolist()
+
+    order = ["long", "x", "short"] if freed == "hole" else ["long", "short", "x"]
+    prompts = {"long": toks(40), "x": toks(30), "short": toks(6)}
+    for s in order:
+        bat.start(s, 64)
+    bat.forward(order, [prompts[s] for s in order], logits="none")
+    bat.rollback("x", 10)  # slots 20-29 stay written
+    for s in ("long", "short"):
+        ref.start(s)
+        ref.forward(s, prompts[s])
+    row = bat._row["x"]
+    with torch.inference_mode():  # the buffers are inference tensors
+        for layer in bat._cache.layers:
+            layer.keys[row, :, 3:30] = float("nan")
+            layer.values[row, :, 3:30] = float("nan")
+    assert bat.release("x")
+    assert all(
+        torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+        for layer in bat._cache.layers
+    )
+    bat.start("new", 64)
+    ref.start("new")
+    assert bat._row["new" if freed == "last" else "short"] == row
+    blocks = {"long": toks(2), "short": toks(3), "new": toks(5)}
+    got = bat.forward(list(blocks), list(blocks.values()))
+    for s, logits in zip(blocks, got, strict=True):
+        assert torch.isfinite(logits).all(), s
+        _assert_close(logits, ref.forward(s, blocks[s]), s)
+
+
+def test_a_forward_computes_its_rows_not_the_idle_rows_between_them(tiny_checkpoints, monkeypatch):
+    """Rows drift apart (releases fill holes, admissions append): a prefill of rows 0 and
+    7 must not also run rows 1-6 through the model, while a decode step with one row
+    sitting out, or a drafting step over a few far rows, stays one model call."""
+    path = tiny_checkpoints["llama"]
+    ref = ModelRunner(path)
+    bat = BatchRunner(path, model=ref.model, max_num_seqs=8)
+    gen = torch.Generator().manual_seed(11)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, bat.vocab_size, (n,), generator=gen).tolist()
+
+    seqs = [f"s{i}" for i in range(8)]
+    for s in seqs:
+        bat.start(s, 128)
+        ref.start(s)
+    first = [toks(4) for _ in seqs]
+    bat.forward(seqs, first, logits="none")
+    for s, block in zip(seqs, first, strict=True):
+        ref.forward(s, block)
+    assert [bat._row[s] for s in seqs] == list(range(8))
+
+    shapes = []
+    real_forward = bat.model.forward
+
+    def spy(*args, input_ids=None, **kwargs):
+        shapes.append(tuple(input_ids.shape))
+        return real_forward(*args, input_ids=input_ids, **kwargs)
+
+    def check(ids: list[str], blocks: list[list[int]], mode: str = "all") -> list[tuple]:
+        shapes.clear()
+        monkeypatch.setattr(bat.model, "forward", spy)
+        got = bat.forward(ids, blocks, logits=mode)
+        monkeypatch.undo()
+        calls = list(shapes)
+        for s, block, logits in zip(ids, blocks, got, strict=True):
+            want = ref.forward(s, block) if block else torch.empty(0, bat.vocab_size)
+            _assert_close(logits, _expected(want, mode), s)
+        return calls
+
+    # prefill chunks of the first and the last row (an idle row in the call: it sits out)
+    chunks = [toks(12), [], toks(20)]
+    calls = check(["s0", "s3", "s7"], chunks)
+    computed = sum(b * q for b, q in calls)
+    assert computed <= 2 * 32, calls  # the old single call: [8, 20] = 160 tokens
+    assert sorted(calls) == [(1, 12), (1, 20)]
+
+    # decode: every row but one (prefilling, sits out), ragged K + 1: one call
+    ids = [s for s in seqs if s != "s3"]
+    calls = check(ids, [toks(1 + i % 3) for i in range(len(ids))], mode="last")
+    assert calls == [(8, 3)]
+    # a drafting step over three far rows: one call of 8 tokens rather than three
+    assert check(["s0", "s4", "s7"], [toks(1), toks(1), toks(1)], mode="last") == [(8, 1)]
+    for s in seqs:
+        assert bat.length(s) == ref.length(s)

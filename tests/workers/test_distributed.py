@@ -466,16 +466,37 @@ def test_bfloat16_tp2_gives_the_in_process_bfloat16_greedy_tokens(ray_session, h
     with pytest.raises(ValueError, match="dtype: float16"):
         EngineGroup(GroupConfig(verifier, draft, tp_size=2, dtype="float16"))
     local = local_engine(verifier, draft, dtype="bfloat16")
+    req, want = _clear_bfloat16_greedy(local, verifier, heldout_prompts)
     group = EngineGroup(
         GroupConfig(verifier, draft, tp_size=2, dtype="bfloat16", speculation_policy="fixed")
     ).start()
     try:
-        req = _req(heldout_prompts[2], "bf16", rule="sps", delta=0.0, temperature=0.0)
         got = group.generate(req)
-        want = local.generate(replace(req, request_id="bf16-local"))
         assert got.token_ids == want.token_ids and len(got.token_ids) == 32
     finally:
         group.shutdown()
+
+
+def _clear_bfloat16_greedy(local, verifier, prompts, margin=0.25):
+    """A greedy sps request whose in-process bfloat16 path has no near-tie: at each of its
+    32 tokens the verifier's best logit leads the second by >= `margin` (8 bfloat16 ulps
+    at logits of 4-8). Sharded, each logit is a sum of two bfloat16 halves, so where the
+    two best are within rounding (one held-out prompt's first token: 5.9253 against
+    5.9205 in float32, equal in bfloat16) either token is the greedy one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.bfloat16)
+    for i, prompt in enumerate(prompts):
+        req = _req(prompt, f"bf16-{i}", rule="sps", delta=0.0, temperature=0.0)
+        want = local.generate(replace(req, request_id=f"bf16-local-{i}"))
+        ids = local.tokenizer.encode(prompt, add_special_tokens=False) + list(want.token_ids)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -len(want.token_ids) - 1 : -1]
+        best = logits.float().topk(2).values
+        if len(want.token_ids) == 32 and (best[:, 0] - best[:, 1]).min() >= margin:
+            return req, want
+    raise AssertionError("no held-out prompt has a clear bfloat16 greedy path")
 
 
 def test_a_gpu_rank_uses_the_one_gpu_ray_gave_it_and_deepspeeds_cuda_accelerator():

@@ -303,3 +303,48 @@ def test_a_step_that_fails_on_a_waiting_request_ends_it_rather_than_spin(embedde
         embedded_engine._reap = real_reap
         loop.shutdown()
     assert len(calls) <= 3, len(calls)
+
+
+def test_a_failed_step_reports_the_rows_it_freed(tiny_checkpoints):
+    """on_step (the running/waiting gauges) also follows a failed step: the loop then
+    goes idle, and a gauge set only after good steps would show the ended request's row
+    for ever."""
+    from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
+
+    engine = local_engine(
+        str(tiny_checkpoints["llama"]),
+        str(tiny_checkpoints["qwen2"]),
+        scheduler=SchedulerConfig(max_num_seqs=1, policy="fixed"),
+    )
+    real_step = engine.step
+
+    def flaky_step():
+        if engine.scheduler.num_rows:  # the request holds its row: the step fails
+            raise RuntimeError("injected: a bug in the step")
+        return real_step()
+
+    reports = []
+    engine.step = flaky_step
+    loop = EngineLoop(
+        engine,
+        on_step=lambda eng, batch: reports.append(
+            (batch, eng.scheduler.num_rows, len(eng.scheduler.waiting))
+        ),
+    )
+    try:
+        stream = loop.submit(
+            GenerationRequest(
+                prompt_token_ids=(5, 6, 7, 8),
+                request_id="doomed",
+                sampling=SamplingParams(max_tokens=12, temperature=0.9, seed=1),
+            )
+        )
+        with pytest.raises(RuntimeError, match="injected: a bug"):
+            list(stream)
+        loop.call(lambda eng: None)  # the loop is past the failed step's report
+    finally:
+        loop.shutdown()
+    assert reports[0][1] == 1  # the first step admitted it
+    assert reports[-1] == (0, 0, 0), reports
+    assert engine.verifier.runner.num_sequences == 0 == engine.drafter.runner.num_sequences

@@ -1,16 +1,18 @@
-"""The draft client's ordering guarantees against a real draft server (in-process gRPC,
-tiny checkpoint): the verifier side and the draft side hold the same number of rows,
+"""The draft client against a real draft server (in-process gRPC, tiny checkpoint): its
+ordering guarantees (the verifier side and the draft side hold the same number of rows,
 so a finished request's Close must reach the draft side before the Open of the request
-that takes its row."""
+that takes its row), its sessions' leases, the vocabulary check and the reply limit."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
 import pytest
 
+from cactus.errors import WorkerUnavailableError
 from cactus.params import SamplingParams
 from workers.batch_runner import BatchRunner
 from workers.draft_service import DraftServicer, start_server
@@ -19,27 +21,44 @@ from workers.interfaces import DraftBlock, ProposeRow
 from workers.local import LocalDrafter
 
 
-@pytest.fixture
-def draft_server(tiny_checkpoints):
-    """A draft server with two rows on a background event loop; yields its address."""
-    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
-    servicer = DraftServicer(LocalDrafter(runner))
+@contextlib.contextmanager
+def _serving(servicer: DraftServicer, *, lease_period_s: float | None = None):
+    """Serve `servicer` on a background event loop (expiring leases every
+    lease_period_s, if given); yields its address."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
     box: dict = {}
 
     async def serve():
         box["server"], box["port"] = await start_server(servicer)
+        if lease_period_s is not None:
+            box["leases"] = loop.create_task(servicer.expire_leases(lease_period_s))
         started.set()
+
+    async def stop():
+        if "leases" in box:
+            box["leases"].cancel()
+        await box["server"].stop(None)
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(serve(), loop)
     assert started.wait(30)
-    yield f"127.0.0.1:{box['port']}", servicer, runner
-    asyncio.run_coroutine_threadsafe(box["server"].stop(None), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    try:
+        yield f"127.0.0.1:{box['port']}"
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture
+def draft_server(tiny_checkpoints):
+    """A draft server with two rows on a background event loop; yields its address."""
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
+    servicer = DraftServicer(LocalDrafter(runner))
+    with _serving(servicer) as address:
+        yield address, servicer, runner
 
 
 def test_a_close_reaches_the_draft_side_before_the_open_that_takes_its_row(draft_server):
@@ -109,5 +128,86 @@ def test_a_prefetched_block_never_reaches_a_new_request_that_took_its_id(draft_s
         drafter.commit("a", block.epoch, 2, 11)
         (second,) = drafter.propose([ProposeRow("a", 2)])
         assert isinstance(second, DraftBlock) and second.epoch == 6, second
+    finally:
+        drafter.close()
+
+
+def test_a_row_drafted_nothing_for_keeps_its_draft_session(tiny_checkpoints):
+    """A row the policy holds at k = 0 sends no ProposeBatch, only recorded commits: the
+    draft side's lease freed its session, and its next proposal failed (NOT_FOUND),
+    ending its drafts. rank 0 touches such sessions; once it is gone, nothing does, and
+    the lease frees them."""
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
+    servicer = DraftServicer(LocalDrafter(runner))
+    with _serving(servicer, lease_period_s=0.02) as address:
+        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30, lease_s=0.6)
+        try:
+            drafter.start("held", [5, 6, 7], SamplingParams(max_tokens=64, temperature=0.8), 1)
+            drafter.flush("held")
+            committed = 3
+            deadline = time.monotonic() + 1.5  # more than two leases
+            while time.monotonic() < deadline:  # plain decoding steps: commits only
+                drafter.commit("held", committed, 0, 11)
+                committed += 1
+                time.sleep(0.05)
+            assert "held" in servicer.sessions
+            (block,) = drafter.propose([ProposeRow("held", 2)])
+            assert isinstance(block, DraftBlock), block
+            assert block.epoch == committed
+        finally:
+            drafter.close()
+        deadline = time.monotonic() + 10  # rank 0 is gone: the lease frees the row
+        while servicer.sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not servicer.sessions and runner.num_sequences == 0
+
+
+def test_a_draft_actor_of_another_vocabulary_is_refused(draft_server):
+    """Its every block would fail the verifier's shape check: refused at once, naming
+    both sizes."""
+    address, _, runner = draft_server
+    vocab = runner.vocab_size
+    with pytest.raises(
+        ValueError, match=f"vocabulary {vocab} differs from the verifier's {vocab + 1}"
+    ):
+        GrpcDrafter(address, vocab_size=vocab + 1, timeout_s=30)
+    GrpcDrafter(address, vocab_size=vocab, timeout_s=30).close()
+
+
+def test_a_reply_over_the_message_limit_fails_only_the_rows_that_do_not_fit(tiny_checkpoints):
+    """Dense draft rows of a large vocabulary can add up past the channel's limit: the
+    whole ProposeBatch then failed (RESOURCE_EXHAUSTED) and every row lost its drafts.
+    Here three dense blocks of about 6.5 kB against a 16 kB limit: two fit."""
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=3)
+    servicer = DraftServicer(LocalDrafter(runner), max_reply_bytes=16_000)
+    with _serving(servicer) as address:
+        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+        try:
+            sampling = SamplingParams(max_tokens=16, temperature=1.0)  # full support: dense
+            for seed, rid in enumerate("abc"):
+                drafter.start(rid, [5, 6, 7], sampling, seed)
+            a, b, c = drafter.propose([ProposeRow(rid, 4) for rid in "abc"])
+            assert isinstance(a, DraftBlock) and isinstance(b, DraftBlock), (a, b)
+            assert a.probs.shape == (4, runner.vocab_size) and bool((a.probs > 0).all())
+            assert isinstance(c, WorkerUnavailableError) and "RESOURCE_EXHAUSTED" in str(c)
+        finally:
+            drafter.close()
+
+
+def test_a_prefetch_taken_late_counts_its_round_trip_not_the_wait(draft_server):
+    """A prefetched ProposeBatch whose rows were all cancelled is taken at the next
+    propose, maybe much later: that wait is no round trip."""
+    address, _, runner = draft_server
+    drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+    try:
+        drafter.start("a", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.8), 1)
+        drafter.flush("a")
+        drafter.prefetch([ProposeRow("a", 2)])
+        drafter._prefetch[1].result(timeout=30)  # answered
+        time.sleep(0.5)
+        drafter.release("a")  # cancelled: no row takes its block
+        assert drafter.propose([]) == []
+        (trip,) = drafter.take_round_trips()
+        assert 0 < trip < 0.4
     finally:
         drafter.close()

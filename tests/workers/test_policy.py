@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -283,6 +284,162 @@ def test_fixed_takes_every_ceiling_and_promised_ks_are_kept():
         PolicyConfig(kind="sometimes")
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="always")
+
+
+def _half_does_not_pay(cost: CostModel, ks):
+    """A machine where drafting pays for rows accepting 95% (about 2.5x the tokens/s of
+    plain decoding at k = 8) but not for one accepting 50%: each drafting row costs
+    1 ms per drafted position, for at most one more token."""
+    b, kmax = len(ks), max(ks, default=0)
+    draft = 0.001 * kmax + 0.001 * sum(1 for k in ks if k) * kmax
+    verify = 0.015 + 0.001 * b + 0.0001 * b * (kmax + 1)
+    cost.observe(list(ks), [0] * b, draft, verify, 0.002)
+
+
+def _serve(policy, rows, truth, steps, seed):
+    """`steps` planned and observed steps of `rows` (row i accepts each position with
+    probability truth[group]); the ks of each step."""
+    rng = np.random.default_rng(seed)
+    history = []
+    for _ in range(steps):
+        plan = policy.plan(rows)
+        accepted = []
+        for r, k in zip(rows, plan.ks, strict=True):
+            a = 0
+            while a < k and rng.random() < truth[r.group]:
+                a += 1
+            accepted.append(a)
+        policy.observe_rows(rows, plan.ks, accepted, plan.expected_tokens)
+        _half_does_not_pay(policy.cost, plan.ks)
+        history.append(plan.ks)
+    return history
+
+
+def test_a_new_delta_starts_at_its_rules_acceptance_and_drafts():
+    """A group not seen before (a delta no request used yet) starts at the acceptance of
+    its rule's groups pooled, not at the uninformed rule_prior = 0.5: at 0.5 drafting
+    would not pay here, the row would stay at k = 0 and never learn otherwise, and nor
+    would any later request of its group."""
+    truth = {"cactus:1": 0.95, "cactus:0.9": 0.95, "sps": 0.95}
+    policy = SpeculationPolicy(PolicyConfig(warmup_steps=24))
+    trained = [PolicyRow(f"c1-{i}", "cactus:1", 8) for i in range(4)]
+    _serve(policy, trained, truth, 300, seed=2)
+    # the premise: a row at 0.5 (a rule with no data) does not pay
+    assert policy.plan([*trained[:3], PolicyRow("s", "sps", 8)]).ks[3] == 0
+    rows = [*trained[:3], PolicyRow("d09", "cactus:0.9", 8)]
+    history = _serve(policy, rows, truth, 300, seed=5)
+    drafted = sum(1 for ks in history if ks[3])
+    assert drafted >= 250, drafted
+    fresh = policy.acceptance.alphas("fresh", "cactus:0.9", 8)
+    ref = policy.acceptance.alphas("fresh", "cactus:1", 8)
+    assert fresh == pytest.approx(ref, abs=0.05), (fresh, ref)
+    # a group with no data of its own starts at its rule's pooled acceptance
+    assert policy.acceptance.alphas("x", "cactus:0.5", 8) == pytest.approx(0.95, abs=0.03)
+
+
+def test_a_row_left_at_k_0_drafts_in_the_probes_up():
+    """A row whose estimate says drafting does not pay (here a rule with no data: the
+    0.5 prior) learns nothing at k = 0, so the probe steps that move the cap up let it
+    draft too; once it has seen that it accepts 95%, it drafts at most steps. Plain
+    decoding is still what it gets between probes while the estimate says so."""
+    truth = {"cactus:1": 0.95, "sps": 0.95}
+    policy = SpeculationPolicy(PolicyConfig(warmup_steps=24, explore_every=16))
+    trained = [PolicyRow(f"c1-{i}", "cactus:1", 8) for i in range(4)]
+    _serve(policy, trained, truth, 300, seed=2)
+    rows = [*trained[:3], PolicyRow("s", "sps", 8)]
+    first = policy.stats.steps + 1
+    history = _serve(policy, rows, truth, 300, seed=5)
+    drafted = [first + i for i, ks in enumerate(history) if ks[3]]
+    assert drafted, "the row left at k = 0 never drafted"
+    # its first draft is a probe up (every other 16th step), at the step's k
+    assert drafted[0] % 16 == 0 and (drafted[0] // 16) % 2 == 1, drafted[:3]
+    probe = history[drafted[0] - first]
+    assert probe[3] >= max(probe[:3]) - 1, probe  # the cap went up by one, or stayed at 8
+    assert sum(1 for ks in history[-100:] if ks[3]) >= 95, history[-100:]
+    assert policy.acceptance.alphas("fresh", "sps", 1)[0] > 0.85
+
+
+def test_describe_is_safe_while_the_loop_learns():
+    """`describe()` runs on another thread (the actor's control group, timings()) while
+    the engine's loop plans and learns: with thread switches as often as possible, it
+    never meets a dict changing size mid-iteration, and no refit is lost."""
+    import sys
+    import threading
+
+    policy = SpeculationPolicy(PolicyConfig(warmup_steps=4))
+    errors: list[BaseException] = []
+    done = threading.Event()
+    reads = [0]
+
+    def reader():
+        try:
+            while not done.is_set():
+                policy.describe()
+                reads[0] += 1
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    rng = np.random.default_rng(6)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=reader)
+    try:
+        thread.start()
+        for step in range(1500):
+            rows = [PolicyRow(f"r{step}-{i}", f"cactus:{step}.{i}", 8) for i in range(4)]
+            ks = rng.integers(0, 9, size=4).tolist()
+            policy.observe_rows(rows, ks, [k // 2 for k in ks], [1.0] * 4)
+            _observe(policy.cost, ks)
+            for r in rows:
+                policy.forget(r.request_id)
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert reads[0] > 0
+    # no refit was lost: a fit that says it is up to date is its window's fit
+    for fit in (policy.cost.draft, policy.cost.verify, policy.cost.rest):
+        if not fit._stale:
+            theta, fit._stale = fit.theta.copy(), True
+            assert fit.coef() == pytest.approx(theta)
+    assert policy.describe()["cost_model"]["verify"] == pytest.approx(
+        policy.cost.verify.coef().tolist()
+    )
+
+
+def test_groups_are_bounded_whatever_deltas_clients_choose():
+    """delta is the client's choice: 5,000 distinct values keep at most max_groups
+    acceptance groups (the least recently observed go) and as many groups of
+    statistics, the rest counted under one "<rule>:other"; describe() stays fast."""
+    policy = SpeculationPolicy(PolicyConfig())
+    cap = policy.config.max_groups
+    assert cap == 64
+    most = 0
+    for i in range(5000):
+        group = f"cactus:{i / 1000:g}"
+        row = PolicyRow(f"r{i}", group, 4)
+        policy.observe_rows([row], [4], [3], [3.5])
+        policy.forget(row.request_id)
+        most = max(most, len(policy.acceptance.groups))
+    assert most == cap
+    assert policy.acceptance.groups == [f"cactus:{i / 1000:g}" for i in range(5000 - cap, 5000)]
+    assert not policy.acceptance._rows  # every request forgotten
+    started = time.perf_counter()
+    out = policy.describe()
+    assert time.perf_counter() - started < 0.25
+    groups = out["groups"]
+    assert len(groups) == cap + 1 and "cactus:other" in groups
+    assert groups["cactus:other"]["rows"] == 5000 - cap
+    assert groups["cactus:other"]["chosen_k"] == {4: 5000 - cap}
+    assert sum(g["rows"] for g in groups.values()) == 5000
+    assert out["acceptance_groups"] == cap
+    # the rule's pool is the groups kept, no more (3 of 4 reached accepted each time)
+    pool = policy.acceptance._rules["cactus"]
+    assert pool == pytest.approx(sum(g.sum(axis=1) for g in policy.acceptance._groups.values()))
+    assert policy.acceptance.alphas("x", "cactus:99", 4) == pytest.approx(0.75, abs=0.01)
+    with pytest.raises(ValueError, match="max_groups"):
+        PolicyConfig(max_groups=0)
 
 
 # ---- in the engine ---------------------------------------------------------------------
@@ -624,3 +781,51 @@ def test_a_cost_per_emitted_token_is_fitted_apart_and_changes_no_choice():
             return e / (_true_cost([k] * 16) + c * e)
 
         assert goodput(max(ks)) >= 0.99 * max(goodput(k) for k in range(9)), (group, ks)
+
+
+def test_a_capped_row_is_filed_under_its_rules_delta_0_group(goodput_engine, monkeypatch):
+    """Once a request's max_divergence_nats is spent it verifies with delta = 0: the
+    policy then files its acceptance under "cactus:0", not its own "cactus:1" (it would
+    drag that group towards sps acceptance), and its own counts at delta 1 are
+    forgotten as it becomes capped."""
+    engine = goodput_engine
+    monkeypatch.setattr(engine, "policy", SpeculationPolicy(PolicyConfig()))
+    observed = []  # (request id, group, capped before the step, k)
+    forgotten = []  # (request id, still running)
+    real_observe, real_forget = engine.policy.observe_rows, engine.policy.forget
+
+    def observe_rows(rows, ks, accepted, expected):
+        for r, k in zip(rows, ks, strict=True):
+            capped = engine._live[r.request_id].stats.divergence_capped
+            observed.append((r.request_id, r.group, capped, k))
+        return real_observe(rows, ks, accepted, expected)
+
+    def forget(request_id):
+        forgotten.append((request_id, request_id in engine._live))
+        return real_forget(request_id)
+
+    monkeypatch.setattr(engine.policy, "observe_rows", observe_rows)
+    monkeypatch.setattr(engine.policy, "forget", forget)
+    requests = [
+        replace(
+            r,
+            request_id=f"capped-{i}",
+            speculation=replace(r.speculation, max_divergence_nats=0.05),
+        )
+        for i, r in enumerate(_requests(3, max_tokens=48))
+    ]
+    results = _run(engine, requests)
+    capped = {
+        req.request_id
+        for req, res in zip(requests, results, strict=True)
+        if res.stats.divergence_capped
+    }
+    assert capped, "no request spent its divergence budget"
+    after = [(i, g, k) for i, g, was, k in observed if was]
+    assert after and all(g == "cactus:0" for _, g, _ in after), after
+    assert all(g == "cactus:1" for i, g, was, _ in observed if not was)
+    assert any(k for _, _, k in after)  # it drafted, and learnt the delta-0 group
+    assert "cactus:0" in engine.policy.acceptance.groups
+    assert engine.policy.stats.rows["cactus:0"] == len(after)
+    # forgotten while still running (as it became capped), and again as it ended
+    assert {i for i, running in forgotten if running} == capped

@@ -58,3 +58,16 @@ def test_prefill_budget_goes_to_decode_first_then_prompt_chunks():
 def test_config_names_the_bad_field():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def test_decode_tokens_are_never_cut_by_the_budget():
+    """max_num_batched_tokens does not bound the decode rows: whatever they take, prompt
+    chunks still get min_prefill_chunk, and the scheduler never asks to cut decode."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=128, min_prefill_chunk=32))
+    a, b = _state("a", 41), _state("b", 41)
+    for s in (a, b):
+        sched.add(s)
+    sched.admit(lambda s: True, lambda s: None)
+    assert sched.prefill_plan(decode_tokens=288) == [(a, 32)]  # 288 + 32 > 128
+    assert sched.prefill_plan(decode_tokens=100) == [(a, 32)]
+    assert sched.prefill_plan(decode_tokens=60) == [(a, 40), (b, 28)]

@@ -89,6 +89,39 @@ def test_malformed_dense_blocks_are_refused():
         _decode(msg)
 
 
+@pytest.mark.parametrize("field", ["dense", "sparse ids", "sparse probs"])
+def test_a_buffer_of_no_whole_number_of_values_is_refused_not_raised(field):
+    """np.frombuffer raises ValueError on such a buffer: the engine, catching only
+    StaleBlockError per row, would have ended every running request."""
+    if field == "dense":
+        msg = pb.DraftBlock(request_id="r", epoch=7, block_seq=1, token_ids=[1, 2, 3], vocab_size=V)
+        msg.dense.float32_le = np.ones(K * V, "<f4").tobytes()[:-1]
+    else:
+        msg = _sparse([0, 1, 2], [1.0, 1.0, 1.0], [1, 1, 1])
+        if field == "sparse ids":
+            msg.sparse.ids_int32_le = msg.sparse.ids_int32_le[:-2]
+        else:
+            msg.sparse.probs_float32_le = msg.sparse.probs_float32_le + b"\0"
+    with pytest.raises(StaleBlockError, match=f"{field}.* bytes"):
+        _decode(msg)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.5])
+def test_nan_or_negative_draft_probabilities_travel_and_are_refused(bad):
+    """The sparse encoder kept only the entries > 0: NaN and negative values vanished
+    and the block decoded as a clean (all-zero) one."""
+    assert encode_block(_block(torch.full((K, V), bad)), 1).WhichOneof("probs") == "dense"
+    with pytest.raises(StaleBlockError, match="finite/non-negative"):
+        _decode(encode_block(_block(torch.full((K, V), bad)), 1))
+    probs = torch.zeros(K, V)
+    probs[:, 0] = 1.0
+    probs[1, 5] = bad  # a few entries: sparse, the bad one with them
+    msg = encode_block(_block(probs), 1)
+    assert msg.WhichOneof("probs") == "sparse" and list(msg.sparse.row_lengths) == [1, 2, 1]
+    with pytest.raises(StaleBlockError, match="finite/non-negative"):
+        _decode(msg)
+
+
 def test_wrong_request_epoch_sequence_or_shape_is_refused():
     msg = encode_block(_block(torch.full((K, V), 1.0 / V)), block_seq=3)
     with pytest.raises(StaleBlockError, match="expected"):

@@ -1,0 +1,275 @@
+"""The supervisor's edges, on model-free fake groups (the real kills are in
+test_recovery.py): a stream whose engine fails after its result is not resumed, a
+stopped supervisor (or a shut-down group) restarts nothing, a cancel reaches a request
+waiting for a restart, a draft actor that cannot be replaced is given up on, and
+EngineGroup.shutdown does not race a gang restart."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from cactus.errors import (
+    EngineFailedError,
+    EngineStartError,
+    RequestCancelledError,
+    WorkerUnavailableError,
+)
+from tests.workers.test_supervisor_limits import FlakyGroup, _config, _req
+from workers.request import GenerationChunk, GenerationResult, SpecStats
+from workers.supervisor import EngineSupervisor
+
+
+class _Answer:
+    """An actor method (Ray's spelling) whose call answers, or raises, at once."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.calls = fail, 0
+
+    def remote(self):
+        self.calls += 1
+        future = asyncio.get_running_loop().create_future()
+        if self.fail:
+            future.set_exception(RuntimeError("actor died"))
+        else:
+            future.set_result(True)
+        return future
+
+
+class DiesAfterTheResult(FlakyGroup):
+    """Rank 0 yields a token and the result, then its Ray stream fails as a dead
+    actor's does (the window between the last item and the streaming task's end)."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=0)
+        self.streams: list = []
+
+    async def astream(self, request):
+        self.streams.append(request)
+        yield GenerationChunk(request.request_id, (5,), "a")
+        result = GenerationResult(request.request_id, "a", (5,), "EOS", 2, 1, SpecStats())
+        yield GenerationChunk(request.request_id, (), "", "EOS", result)
+        raise EngineFailedError("rank 0 died")
+
+
+def test_a_stream_whose_engine_fails_after_its_result_is_not_resumed():
+    async def run():
+        group = DiesAfterTheResult()
+        sup = EngineSupervisor(group, _config())
+        chunks = [chunk async for chunk in sup.astream(_req("s"))]  # ends cleanly
+        return group, sup, chunks
+
+    group, sup, chunks = asyncio.run(run())
+    results = [c.result for c in chunks if c.result is not None]
+    assert len(results) == 1 and results[0].finish_reason == "EOS"
+    assert chunks[-1].result is results[0] and results[0].stats.resumed == 0
+    assert len(group.streams) == 1  # no second attempt
+    assert sup.counters["resumed"] == 0
+    # the failure was seen all the same: the ranks are restarted for the next requests
+    assert sup.counters["rank_restarts"] == 1
+
+
+class _Stoppable(FlakyGroup):
+    """A group whose shutdown empties its ranks, as EngineGroup.shutdown does."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(fail=0, **kw)
+        self.ranks = [SimpleNamespace(ping=_Answer())]
+        self.closed = False
+        self.shutdowns = 0
+
+    def shutdown(self) -> None:
+        self.closed = True
+        self.shutdowns += 1
+        self.ranks = []
+
+
+@pytest.mark.parametrize("how", ["supervisor", "group"])
+def test_after_shutdown_the_monitor_restarts_nothing(how):
+    """The ingress's __del__ shuts the group down (directly, or through the
+    supervisor's shutdown): the monitor's next probe finds no ranks, which must not
+    start a gang restart of an engine that was shut down."""
+
+    async def run():
+        group = _Stoppable()
+        sup = EngineSupervisor(group, _config())
+        assert (await sup.agenerate(_req("r"))).text == "ok"  # starts the monitor
+        await asyncio.sleep(0.12)  # probed while serving
+        assert group.ranks[0].ping.calls >= 1
+        if how == "supervisor":
+            sup.shutdown()
+        else:  # what the ingress's __del__ does today
+            group.shutdown()
+        await asyncio.sleep(0.3)  # six check periods
+        with pytest.raises(WorkerUnavailableError, match="shut down"):
+            await sup.agenerate(_req("late"))
+        return group, sup
+
+    group, sup = asyncio.run(run())
+    assert group.restarts == 0 and sup.counters["rank_restarts"] == 0
+    assert sup.state == "SERVING" and group.shutdowns == 1
+    assert sup._monitor.done()
+
+
+def test_a_request_waiting_for_a_restart_ends_when_the_engine_shuts_down():
+    release = threading.Event()
+
+    class SlowRestart(_Stoppable):
+        def restart_ranks(self) -> None:
+            release.wait(5.0)
+            super().restart_ranks()
+
+    async def run():
+        group = SlowRestart()
+        group.fail = 1
+        sup = EngineSupervisor(group, _config())
+        waiting = asyncio.create_task(sup.agenerate(_req("w")))
+        while sup.state == "SERVING":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the request waits for the restart now
+        start = time.monotonic()
+        sup.shutdown()
+        with pytest.raises(WorkerUnavailableError, match="shut down"):
+            await asyncio.wait_for(waiting, 2.0)
+        ended = time.monotonic() - start
+        release.set()
+        while sup._recovery is not None and not sup._recovery.done():
+            await asyncio.sleep(0.01)
+        return ended, group
+
+    ended, group = asyncio.run(run())
+    assert ended < 0.5, ended
+    assert group.calls == 1  # never started again
+
+
+def test_a_cancel_between_attempts_ends_the_request_at_once():
+    """A cancel that arrives while a request waits for a gang restart (no attempt runs,
+    nothing on rank 0 to cancel) ends it then, not with a fresh attempt after the
+    restart; a drain's cut relies on it (tests/deployments/test_drain.py)."""
+    release = threading.Event()
+
+    class SlowRestart(FlakyGroup):
+        def restart_ranks(self) -> None:
+            release.wait(5.0)
+            super().restart_ranks()
+
+    async def run():
+        group = SlowRestart(fail=1)
+        sup = EngineSupervisor(group, _config())
+        waiting = asyncio.create_task(sup.agenerate(_req("w")))
+        while sup.state == "SERVING":
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        sup.cancel("w")
+        with pytest.raises(RequestCancelledError):
+            await asyncio.wait_for(waiting, 2.0)
+        ended = time.monotonic() - start
+        release.set()
+        while sup.state != "SERVING":
+            await asyncio.sleep(0.01)
+        after = await sup.agenerate(_req("w"))  # the id is free, nothing stays cancelled
+        return ended, group, after
+
+    ended, group, after = asyncio.run(run())
+    assert ended < 0.5, ended
+    assert [r.request_id for r in group.seen] == ["w", "w"]  # the first, then the new one
+    assert after.text == "ok" and after.stats.resumed == 0
+
+
+def test_a_draft_actor_that_cannot_be_replaced_is_given_up_on():
+    """Each replacement starts an actor process and loads the draft model: after
+    restart_attempts failed tries the supervisor stops, requests decode plainly."""
+
+    class NoDraft(FlakyGroup):
+        def __init__(self) -> None:
+            super().__init__(fail=0)
+            self.draft = SimpleNamespace(status=_Answer(fail=True))
+            self.replacements = 0
+
+        def replace_draft(self) -> None:
+            self.replacements += 1
+            raise RuntimeError("the draft model does not load")
+
+    async def run():
+        group = NoDraft()
+        sup = EngineSupervisor(group, _config(restart_attempts=2))
+        assert (await sup.agenerate(_req("r"))).text == "ok"
+        # 2 tries with 0.5 s and 1 s back-off (given up at ~1.6 s); the old code began
+        # a new round at the next probe, every ~1.6 s
+        await asyncio.sleep(2.5)
+        result = await sup.agenerate(_req("after"))
+        return group, sup, result
+
+    group, sup, result = asyncio.run(run())
+    assert group.replacements == 2, group.replacements
+    assert sup.draft_given_up and sup.counters["draft_restarts"] == 1
+    assert not sup.speculating() and sup.state == "SERVING"
+    assert result.text == "ok"
+
+
+# ---- EngineGroup.shutdown against a gang restart -------------------------------------
+
+
+class _Actor:
+    """A Ray actor handle whose method calls are recorded; ray.get (patched) returns
+    what .remote() returned."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=lambda *a, **k: self.log.append((self.name, method)))
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import workers.group as group_mod
+
+    killed: list = []
+    fake = SimpleNamespace(get=lambda refs, timeout=None: refs, kill=killed.append)
+    monkeypatch.setattr(group_mod, "ray", fake)
+    monkeypatch.setattr(group_mod, "kill_processes", lambda where, timeout_s: None)
+    return killed
+
+
+def test_group_shutdown_waits_for_a_restart_and_refuses_later_ones(fake_ray):
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft = _Actor("draft", log)
+    group.ranks = [_Actor("rank0", log)]
+    in_start, release = threading.Event(), threading.Event()
+    starts = []
+
+    def start_ranks() -> None:  # the slow part of a gang restart (model loads)
+        starts.append(1)
+        in_start.set()
+        release.wait(5.0)
+        group.ranks = [_Actor("new-rank0", log)]
+
+    group._start_ranks = start_ranks
+    restart = threading.Thread(target=group.restart_ranks)
+    restart.start()
+    assert in_start.wait(2.0) and group.ranks == []  # mid-restart: no ranks
+    shutdown = threading.Thread(target=group.shutdown)
+    shutdown.start()
+    time.sleep(0.1)
+    assert shutdown.is_alive()  # waits for the restart instead of racing it
+    release.set()
+    restart.join(2.0)
+    shutdown.join(2.0)
+    assert not shutdown.is_alive()
+    # the draft actor and the restarted rank were shut down, nothing left running
+    assert ("draft", "shutdown") in log and ("new-rank0", "shutdown") in log
+    assert group.ranks == [] and group.draft is None and group.closed
+    with pytest.raises(EngineStartError, match="shut down"):
+        group.restart_ranks()
+    with pytest.raises(EngineStartError, match="shut down"):
+        group.replace_draft()
+    assert len(starts) == 1

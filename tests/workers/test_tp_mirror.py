@@ -1,0 +1,190 @@
+"""Rank 0's side of a tensor-parallel group without a cluster: MirroredRunner over a fake
+runner (the broadcast patched out), and VerifierRank's own methods called on the plain
+class (Ray's actor wrapper left out). A mirrored op that fails on rank 0 alone breaks
+the group: the step's requests get EngineFailedError (the supervisor resumes them) and
+rank 0's ping fails (its probe restarts the group). Switching to a new draft actor
+keeps the drafter the engine actually uses."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import types
+from typing import ClassVar
+
+import pytest
+import torch
+
+from cactus.errors import EngineFailedError, is_engine_failure
+from workers import tp_verifier
+from workers.actors import VerifierRank
+from workers.tp_verifier import MirroredRunner
+
+
+class _Runner:
+    """A BatchRunner's mirrored surface; forward fails as an out-of-memory on rank 0's
+    GPU does (no collective is involved: no marker of one in the message)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.ops: list[str] = []
+
+    def start(self, seq_id, reserve_tokens=None) -> None:
+        self.ops.append("start")
+
+    def forward(self, seq_ids, token_ids, *, logits="all"):
+        self.ops.append("forward")
+        raise self.error
+
+    def rollback(self, seq_id, num_tokens) -> None:
+        self.ops.append("rollback")
+
+    def release(self, seq_id) -> bool:
+        self.ops.append("release")
+        return True
+
+
+@pytest.fixture
+def broadcasts(monkeypatch):
+    sent: list = []
+    monkeypatch.setattr(
+        tp_verifier.torch.distributed,
+        "broadcast_object_list",
+        lambda objects, src=0: sent.append(objects[0]),
+    )
+    return sent
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ],
+    ids=["RuntimeError", "OutOfMemoryError"],
+)
+def test_a_rank0_only_failure_after_the_broadcast_fails_the_group(broadcasts, error):
+    assert not is_engine_failure(error)  # by itself it does not read as a dead engine
+    runner = _Runner(error)
+    mirror = MirroredRunner(runner, world_size=2)
+    mirror.start("a", 4)
+    with pytest.raises(EngineFailedError, match="out of memory") as raised:
+        mirror.forward(["a"], [[1, 2]])
+    assert is_engine_failure(raised.value)  # the supervisor restarts and resumes
+    assert raised.value.__cause__ is error  # what happened stays in the traceback
+    assert mirror.failed is error
+    assert [ops[-1][0] for ops in broadcasts] == ["start", "forward"]  # followers ran it
+    # the ranks are out of step: nothing more runs or is broadcast
+    with pytest.raises(EngineFailedError):
+        mirror.start("b", 4)
+    assert runner.ops == ["start", "forward"] and len(broadcasts) == 2
+    mirror.stop_followers()  # no stop message to a broken group
+    assert len(broadcasts) == 2
+
+
+def _rank0(mirror=None) -> VerifierRank:
+    rank = VerifierRank.__ray_actor_class__(0, 2)  # the plain class: no Ray actor
+    if mirror is not None:
+        rank.mirror = mirror
+    return rank
+
+
+def test_rank0s_ping_fails_once_its_mirror_is_broken(broadcasts):
+    mirror = MirroredRunner(_Runner(RuntimeError("CUDA out of memory")), world_size=2)
+    rank = _rank0(mirror)
+    assert rank.ping() == 0
+    with pytest.raises(Exception, match="out of memory"):  # old code: the raw error
+        mirror.forward(["a"], [[1]])
+    assert mirror.failed is not None
+    with pytest.raises(RuntimeError, match="tensor-parallel group broke"):
+        rank.ping()
+    assert _rank0().ping() == 0  # a rank before connect (no mirror) answers
+
+
+# ---- attach_draft ---------------------------------------------------------------------
+
+
+class _Drafter:
+    made: ClassVar[list[_Drafter]] = []
+
+    def __init__(self, address: str, *, vocab_size: int = 8, timeout_s: float = 5.0) -> None:
+        self.address, self.timeout_s, self.closed = address, timeout_s, False
+        _Drafter.made.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Engine:
+    def __init__(self, drafter, fail_after_switch: bool = False) -> None:
+        self.drafter, self.fail_after_switch = drafter, fail_after_switch
+
+    def attach_drafter(self, drafter) -> int:
+        self.drafter = drafter
+        if self.fail_after_switch:
+            raise RuntimeError("re-opening a session failed")
+        return 3
+
+
+class _Loop:
+    """EngineLoop.call: `mode` "run" runs fn, "stopped" refuses it, "timeout" keeps it
+    queued (run later by the test) and gives up waiting, as loop.call's timeout does."""
+
+    def __init__(self, engine, mode: str) -> None:
+        self.engine, self.mode, self.queued = engine, mode, []
+
+    def call(self, fn):
+        if self.mode == "stopped":
+            raise RuntimeError("the engine loop is shut down")
+        if self.mode == "timeout":
+            self.queued.append(fn)
+            raise queue.Empty
+        return fn(self.engine)
+
+
+@pytest.fixture
+def fake_grpc_drafter(monkeypatch):
+    module = types.ModuleType("workers.grpc_drafter")
+    module.GrpcDrafter = _Drafter
+    monkeypatch.setitem(sys.modules, "workers.grpc_drafter", module)
+
+
+def _attaching(mode: str, fail_after_switch: bool = False):
+    rank = _rank0()
+    rank.runner = types.SimpleNamespace(vocab_size=8)
+    old = rank.drafter = _Drafter("old:1")
+    rank.engine = _Engine(old, fail_after_switch)
+    rank.loop = _Loop(rank.engine, mode)
+    return rank, old
+
+
+def test_attach_draft_switches_only_once_the_engine_did(fake_grpc_drafter):
+    rank, old = _attaching("run")
+    assert rank.attach_draft("new:2") == 3
+    assert rank.drafter is rank.engine.drafter and rank.drafter.address == "new:2"
+    assert old.closed and not rank.drafter.closed and rank.drafter.timeout_s == 5.0
+
+    # the engine loop refused the call: the old drafter stays, the new one is closed
+    rank, old = _attaching("stopped")
+    with pytest.raises(RuntimeError, match="shut down"):
+        rank.attach_draft("new:2")
+    assert rank.drafter is old and rank.engine.drafter is old and not old.closed
+    assert _Drafter.made[-1].address == "new:2" and _Drafter.made[-1].closed
+
+    # the engine switched, then re-opening a session raised: the new one is in use
+    rank, old = _attaching("run", fail_after_switch=True)
+    with pytest.raises(RuntimeError, match="re-opening"):
+        rank.attach_draft("new:2")
+    assert rank.drafter is rank.engine.drafter and rank.drafter.address == "new:2"
+    assert old.closed and not rank.drafter.closed
+
+
+def test_attach_draft_that_timed_out_never_switches_later(fake_grpc_drafter):
+    rank, old = _attaching("timeout")
+    with pytest.raises(queue.Empty):
+        rank.attach_draft("new:2")
+    assert rank.drafter is old and not old.closed and _Drafter.made[-1].closed
+    (late,) = rank.loop.queued
+    with pytest.raises(RuntimeError, match="gave up"):  # the loop runs it afterwards
+        late(rank.engine)
+    assert rank.engine.drafter is old  # still the drafter the actor holds and closes
