@@ -288,10 +288,13 @@ class SpeculativeEngine:
         requests come and go (a row left out would cost a second draft pass, with its
         fixed cost per forward, at the next step)."""
         rows = [s for s in self.scheduler.running if s.finish_reason is None]
-        if not rows:
+        if not rows and not self.scheduler.prefilling:
             return
         self._plan(rows)
         try:
+            # with no row (prompts still prefilling) an empty promise: a remote drafter
+            # renews its sessions' leases from these calls (workers/grpc_drafter.py), and
+            # a long prefill must not lose the draft session it opened
             self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in rows if s.planned_k])
         except Exception:  # only a head start: the next propose asks again, and a
             # drafter that is gone degrades the rows it concerns there, one by one

@@ -90,17 +90,22 @@ class MirroredRunner:
         if self.failed is not None:
             raise EngineFailedError(f"tensor-parallel group is down: {self.failed}")
 
-    def _broke(self, err: BaseException) -> EngineFailedError:
+    def _broke(self, err: BaseException) -> BaseException:
         """A mirrored op failed on rank 0: the ranks are out of step from here on (the
         followers ran it, or wait in its collective), so the group is done whatever the
-        cause: a collective failure (a rank died) or one of rank 0's own (an
-        out-of-memory on its GPU, a bug) alike. EngineFailedError, so the step's requests
-        are resumed on a restarted group (workers/supervisor.py), and `failed` makes
-        rank 0's ping fail, so the supervisor's probe restarts it without a request."""
+        cause, and `failed` makes rank 0's ping fail, so the supervisor's probe restarts
+        it. What the step's requests get depends on the cause: a collective failure (a
+        rank died) or an out-of-memory is EngineFailedError, so they are resumed on the
+        restarted group (workers/supervisor.py); anything else (a bug) is raised as it
+        is, so they end INTERNAL once instead of failing every restarted group in turn.
+        (Bad arguments to a forward are refused before the broadcast: `forward`.)"""
         self.failed = err
-        if not is_engine_failure(err):  # not a rank's death: say what it was
-            logger.error("a mirrored operation failed on rank 0", exc_info=err)
-        return EngineFailedError(f"tensor-parallel group failed: {type(err).__name__}: {err}")
+        if is_engine_failure(err):
+            return EngineFailedError(f"tensor-parallel group failed: {type(err).__name__}: {err}")
+        logger.error("a mirrored operation failed on rank 0", exc_info=err)
+        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+            return EngineFailedError(f"tensor-parallel group failed: {type(err).__name__}: {err}")
+        return err
 
     def __getattr__(self, name):  # read-only properties: vocab_size, max_context, ...
         return getattr(self.runner, name)
@@ -118,7 +123,10 @@ class MirroredRunner:
                 self.broadcasts += 1
                 return getattr(self.runner, op)(*args, **kwargs)
             except Exception as err:
-                raise self._broke(err) from err
+                broken = self._broke(err)
+                if broken is err:
+                    raise
+                raise broken from err
 
     def _later(self, op: str, *args):
         """Apply a bookkeeping op here now; followers get it with the next broadcast."""
@@ -132,7 +140,10 @@ class MirroredRunner:
         self._mirror("start", seq_id, reserve_tokens)
 
     def forward(self, seq_ids, token_ids, *, logits: str = "all") -> list[torch.Tensor]:
-        return self._mirror("forward", list(seq_ids), [list(t) for t in token_ids], logits=logits)
+        seq_ids, token_ids = list(seq_ids), [list(t) for t in token_ids]
+        with self._lock:  # bad arguments raise here, before any follower sees them
+            self.runner._rows_for(seq_ids, token_ids, logits)
+        return self._mirror("forward", seq_ids, token_ids, logits=logits)
 
     def rollback(self, seq_id: str, num_tokens: int) -> None:
         self._later("rollback", seq_id, num_tokens)

@@ -302,10 +302,11 @@ def test_the_policy_statistics_cover_the_measured_window_only():
     assert result == "result"
     g = window["groups"]["cactus:1"]
     assert set(g["chosen_k"]) <= {1, 8}
-    # a timer thread's sleeps may end a step or two late; the whole run (settle time
-    # and drain included) would give mean k near 5
-    assert g["chosen_k"].get(8, 0) >= 20 and g["chosen_k"].get(1, 0) <= 4, g["chosen_k"]
-    assert g["mean_k"] > 6.5, g
+    # a timer thread's sleeps may end a few steps late on a busy machine; the whole run
+    # (settle time and drain included) gives mean k near 4 (80 steps at 1, 60 at 8)
+    ones, eights = g["chosen_k"].get(1, 0), g["chosen_k"].get(8, 0)
+    assert eights >= 20 and ones <= 0.2 * (ones + eights), g["chosen_k"]
+    assert g["mean_k"] > 6.0, g
     assert 20 <= window["steps"] <= 70, window["steps"]
     assert window["realised_time_s"] == pytest.approx(2 * window["predicted_time_s"])
 

@@ -414,3 +414,47 @@ def test_tas_alpha_reaches_the_kernel_per_request(embedded_engine, heldout_promp
         assert _result(out[r.request_id]).token_ids == solo[r.request_id].token_ids
     accepted = {rid: res.stats.acceptance_rate for rid, res in solo.items()}
     assert accepted["a0"] > accepted["default"], accepted
+
+
+def test_a_step_that_only_prefills_still_calls_the_drafter(embedded_engine, heldout_prompts):
+    """A remote drafter renews its draft sessions' leases from the engine's draft calls
+    (workers/grpc_drafter.py). A step with no running row made none, so a prompt that
+    took longer than the lease to prefill lost its draft session. Every such step now
+    makes an empty prefetch."""
+
+    class Recording:
+        def __init__(self, inner) -> None:
+            self.inner, self.prefetches = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def prefetch(self, rows) -> None:
+            self.prefetches.append(list(rows))
+            self.inner.prefetch(rows)
+
+    drafter = Recording(embedded_engine.drafter)
+    engine = SpeculativeEngine(
+        drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        scheduler=SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=8, min_prefill_chunk=8, policy="fixed"
+        ),
+    )
+    calls_after_prefill_only_steps = []
+
+    def on_step(_step, _batch):
+        if not engine.scheduler.running and engine.scheduler.prefilling:
+            calls_after_prefill_only_steps.append(len(drafter.prefetches))
+
+    prompt = " ".join(heldout_prompts[:2])
+    out = _run_together(
+        engine, [_req(prompt, "long", seed=1, temperature=0.8, max_tokens=4)], on_step=on_step
+    )
+    assert _result(out["long"]).token_ids  # it decoded once its prompt was in
+    seen = calls_after_prefill_only_steps
+    assert len(seen) >= 3, seen
+    # one more prefetch in every prefill-only step, with no row in it
+    assert seen == list(range(seen[0], seen[0] + len(seen))) and seen[0] >= 1, seen
+    assert all(rows == [] for rows in drafter.prefetches[: seen[-1]])

@@ -1,8 +1,10 @@
 """Rank 0's side of a tensor-parallel group without a cluster: MirroredRunner over a fake
 runner (the broadcast patched out), and VerifierRank's own methods called on the plain
 class (Ray's actor wrapper left out). A mirrored op that fails on rank 0 alone breaks
-the group: the step's requests get EngineFailedError (the supervisor resumes them) and
-rank 0's ping fails (its probe restarts the group). Switching to a new draft actor
+the group: rank 0's ping fails (its probe restarts the group); the step's requests get
+EngineFailedError (the supervisor resumes them) for an out-of-memory, the error itself
+for a bug (they end once, not on every restarted group). Bad arguments are refused
+before the broadcast and break nothing. Switching to a new draft actor
 keeps the drafter the engine actually uses."""
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class _Runner:
 
     def start(self, seq_id, reserve_tokens=None) -> None:
         self.ops.append("start")
+
+    def _rows_for(self, seq_ids, token_ids, logits):  # BatchRunner's argument check
+        if any(s != "a" for s in seq_ids):
+            raise KeyError(seq_ids)
+        return [0] * len(seq_ids)
 
     def forward(self, seq_ids, token_ids, *, logits="all"):
         self.ops.append("forward")
@@ -80,6 +87,35 @@ def test_a_rank0_only_failure_after_the_broadcast_fails_the_group(broadcasts, er
     assert runner.ops == ["start", "forward"] and len(broadcasts) == 2
     mirror.stop_followers()  # no stop message to a broken group
     assert len(broadcasts) == 2
+
+
+def test_a_bug_after_the_broadcast_fails_the_group_but_not_every_restart(broadcasts):
+    """Not a collective failure, not out of memory: the step's requests get the error
+    itself (INTERNAL, not resumed onto the next group to fail it again), and the group
+    is still done (the next op raises EngineFailedError, the ping fails)."""
+    error = ValueError("a bookkeeping bug")
+    runner = _Runner(error)
+    mirror = MirroredRunner(runner, world_size=2)
+    mirror.start("a", 4)
+    with pytest.raises(ValueError, match="bookkeeping bug") as raised:
+        mirror.forward(["a"], [[1, 2]])
+    assert raised.value is error and mirror.failed is error
+    with pytest.raises(EngineFailedError):
+        mirror.forward(["a"], [[3]])
+
+
+def test_bad_forward_arguments_are_refused_before_the_broadcast(broadcasts):
+    """An unknown sequence raises on rank 0 before the followers see the op (they would
+    raise too, and leave the group), so the group goes on."""
+    runner = _Runner(RuntimeError("unused"))
+    mirror = MirroredRunner(runner, world_size=2)
+    mirror.start("a", 4)
+    with pytest.raises(KeyError):
+        mirror.forward(["nobody"], [[1]])
+    assert mirror.failed is None and len(broadcasts) == 1
+    mirror.release("a")
+    mirror.start("a", 4)  # the group still works, the queued release travels with it
+    assert [op[0] for op in broadcasts[-1]] == ["release", "start"]
 
 
 def _rank0(mirror=None) -> VerifierRank:
