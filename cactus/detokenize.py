@@ -3,6 +3,10 @@
 The offsets scheme vLLM uses: decode a short window of recent tokens twice (with and
 without the newest ones) and release only the difference, and only once it no longer
 ends in U+FFFD (an incomplete UTF-8 sequence still waiting for its next byte-token).
+The window starts inside the prompt (`context`: its last few tokens), as vLLM's does: a
+SentencePiece tokenizer (Llama 2, Mistral) strips the leading space of whatever it
+decodes, so the first generated token decoded alone would lose its space ("Paris"
+after "is" for "▁Paris").
 """
 
 from __future__ import annotations
@@ -10,13 +14,20 @@ from __future__ import annotations
 REPLACEMENT = "\ufffd"
 
 
+# prompt tokens the first window starts with (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer) -> None:
+    """`text` is what the tokens added since construction decode to; `context` (the
+    prompt, or its end) only gives the first of them their left neighbours."""
+
+    def __init__(self, tokenizer, context=()) -> None:
         self._tok = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(t) for t in list(context)[-CONTEXT_TOKENS:]]
         self.text = ""
         self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens already turned into released text
+        self._read = len(self.ids)  # tokens already turned into released text
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -35,8 +46,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: release whatever is left (an incomplete character decodes as U+FFFD)."""
-        full = self._decode(self.ids)
-        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        fits = len(new_text) > len(prefix_text) and new_text.startswith(prefix_text)
+        delta = new_text[len(prefix_text) :] if fits else ""
         self.text += delta
         self._prefix = self._read = len(self.ids)
         return delta

@@ -99,16 +99,21 @@ class DrainingEngine:
 
     @contextlib.contextmanager
     def _tracked(self, request_id: str):
-        self.running.add(request_id)
+        # A second request with a running one's id is refused by the engine; it must
+        # not untrack the first (a cut would then miss it at shutdown).
+        owner = request_id not in self.running
+        if owner:
+            self.running.add(request_id)
         try:
             yield
         except Exception:
-            if request_id in self._cut:
+            if owner and request_id in self._cut:
                 raise ServerShuttingDownError(self.cut_reason) from None
             raise
         finally:
-            self.running.discard(request_id)
-            self._cut.discard(request_id)
+            if owner:
+                self.running.discard(request_id)
+                self._cut.discard(request_id)
 
     async def agenerate(self, request):
         self._admit()

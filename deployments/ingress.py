@@ -364,7 +364,9 @@ class CactusIngress:
                 self.metrics.ended(req, "CANCELLED")
             raise
         except Exception as err:
-            if req is not None:
+            # refused (a request_id already running, a field the engine found bad) is no
+            # accepted request that failed, and the id's bookkeeping is the other one's
+            if req is not None and not isinstance(unwrap(err), InvalidRequestError):
                 self.metrics.ended(req, "ERROR")
             self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             return pb.GenerateResponse()
@@ -378,9 +380,10 @@ class CactusIngress:
             first = True
             with self.metrics.running():
                 async for chunk in self.engine.astream(req):
-                    if first or chunk.token_ids:  # a chunk with the result only is no token
+                    if chunk.token_ids:  # a chunk with the result only is no token (a
+                        # request whose time ran out while it waited has none at all)
                         self.metrics.token_latency(req, start, first)
-                    first = False
+                        first = False
                     msg = pb.GenerateResponse(
                         request_id=chunk.request_id,
                         text=chunk.text,
@@ -405,7 +408,8 @@ class CactusIngress:
                 # engine found): there is nothing of its own to cancel, and a cancel by
                 # id would stop the other request that holds the id
                 refused = isinstance(unwrap(err), InvalidRequestError)
-                self.metrics.ended(req, "ERROR")
+                if not refused:  # (nor is it a failure: see Generate)
+                    self.metrics.ended(req, "ERROR")
             code, details = self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             # A streaming method must raise for Serve to send the status it set.
             raise RequestError(code, details) from None

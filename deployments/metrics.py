@@ -13,7 +13,10 @@ from collections import OrderedDict
 from ray.serve import metrics
 
 LAST_TOKEN_ENTRIES = 4096  # far more than a replica's running requests
+# up to an hour: a request may run as long as limits.request_timeout_s (600 s in
+# configs/cluster.yaml), and a latency past the last bound is only +Inf
 LATENCY_BOUNDS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+LATENCY_BOUNDS_S += [120, 300, 600, 1800, 3600]
 
 
 class ServiceMetrics:

@@ -200,7 +200,7 @@ class RequestState:
         if request.resume_stats:
             self.stats.restore(request.resume_stats)
         self.finish_reason: str | None = None
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, context=prompt_ids)
         for tok in self.prior:
             self.detok.add(tok)
         # text already handed to the caller

@@ -13,7 +13,12 @@ import time
 import grpc
 import pytest
 
-from cactus.errors import EngineFailedError, RequestCancelledError, ServerShuttingDownError
+from cactus.errors import (
+    EngineFailedError,
+    InvalidRequestError,
+    RequestCancelledError,
+    ServerShuttingDownError,
+)
 from cactus.params import GenerationRequest, SamplingParams
 from deployments.drain import DrainingEngine
 from deployments.ingress import RequestError
@@ -94,6 +99,42 @@ def test_a_cut_ends_running_requests_after_their_chunks_and_refuses_late_ones():
 
     done = asyncio.run(scenario())
     assert done[-1].result is not None and done[-1].result.finish_reason == "LENGTH"
+
+
+def test_a_refused_duplicate_id_leaves_the_running_request_tracked():
+    """A second request with a running one's id is refused by the engine: that refusal
+    untracked the first, so a cut at shutdown missed it and it ran on until Serve killed
+    the replica (INTERNAL instead of UNAVAILABLE)."""
+
+    class Refusing(EndlessEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: set[str] = set()
+
+        async def astream(self, req):
+            if req.request_id in self.live:
+                raise InvalidRequestError("request_id", f"{req.request_id!r} is already running")
+            self.live.add(req.request_id)
+            try:
+                async for chunk in super().astream(req):
+                    yield chunk
+            finally:
+                self.live.discard(req.request_id)
+
+    async def scenario():
+        engine = DrainingEngine(Refusing())
+        chunks: list = []
+        stream = asyncio.create_task(_collect(engine, _req("x"), chunks))
+        while len(chunks) < 2:
+            await asyncio.sleep(0.005)
+        with pytest.raises(InvalidRequestError, match="already running"):
+            await _collect(engine, _req("x"), [])
+        assert engine.running == {"x"}
+        assert engine.cut("the server is shutting down (test)") == 1
+        with pytest.raises(ServerShuttingDownError):
+            await asyncio.wait_for(stream, 1.0)
+
+    asyncio.run(scenario())
 
 
 def test_an_error_of_a_request_not_cut_passes_through():

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from cactus.errors import EngineFailedError, WorkerUnavailableError
+from cactus.errors import EngineFailedError, InvalidRequestError, WorkerUnavailableError
 from cactus.params import GenerationRequest
 from client import CactusClient
 from configs.schema import from_dict, to_dict
@@ -449,6 +450,10 @@ def test_requests_that_end_without_a_result_are_counted_by_outcome(ray_session):
     assert counted(FakeEngine(fail=failing), stream) == ["failure:ERROR"]
     assert counted(FakeEngine(), left) == ["failure:CANCELLED"]
     assert counted(FakeEngine(), invalid) == []
+    # refused by the engine (its id already running): neither, unary and streamed
+    duplicate = InvalidRequestError("request_id", "'x' is already running")
+    assert counted(FakeEngine(fail=duplicate), unary) == []
+    assert counted(FakeEngine(fail=duplicate), stream) == []
 
 
 def test_every_request_with_a_token_times_its_first_token_once(ray_session):
@@ -494,6 +499,24 @@ def test_every_request_with_a_token_times_its_first_token_once(ray_session):
     assert whole == latencies[-1] >= 0.3
     assert observed(SlowEngine(after_first_s=0.2, resumed=1), unary) == []
     assert len(observed(SlowEngine(after_first_s=0.2), stream)) == 1
+
+    class NoTokenEngine(FakeEngine):  # its time ran out while it waited for a row
+        async def astream(self, req):
+            res = replace(self._result(req), text="", token_ids=(), finish_reason="TIME_LIMIT")
+            yield GenerationChunk(req.request_id, (), "", result=res)
+
+    assert observed(NoTokenEngine(), stream) == []  # no token, so no first token
+
+
+def test_the_latency_buckets_reach_the_longest_request_a_shipped_config_allows():
+    """A latency past the last bound is only +Inf: no percentile could be read there."""
+    from configs.schema import load_config
+    from deployments.metrics import LATENCY_BOUNDS_S
+
+    configs = sorted(Path("configs").glob("*.yaml"))
+    longest = max(load_config(str(path)).limits.request_timeout_s or 0 for path in configs)
+    assert longest >= 600 and max(LATENCY_BOUNDS_S) >= longest, (longest, LATENCY_BOUNDS_S)
+    assert sorted(LATENCY_BOUNDS_S) == LATENCY_BOUNDS_S
 
 
 def test_a_result_reports_the_engine_time_after_its_first_token():
