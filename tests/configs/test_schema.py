@@ -327,3 +327,13 @@ def test_the_token_budget_is_documented_as_the_scheduler_spends_it():
     assert "decode is never cut" in text and "at least 32 prompt tokens" in text
     assert "tokens one engine step computes" not in text
     assert SchedulerConfig().min_prefill_chunk == 32  # the "32" above
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml"])
+def test_shipped_configs_compute_with_no_more_threads_than_their_actors_reserve(name):
+    """An actor computing with more torch threads than the CPUs Ray reserved for it
+    oversubscribes its node (cluster.yaml had 4 threads on 2-CPU actors). A fractional
+    reservation (the embedded pair's 0.25 on a laptop) still computes with one."""
+    c = load_config(REPO / "configs" / name)
+    for actor in (c.resources.draft, c.resources.verifier_rank):
+        assert c.resources.threads_per_actor <= max(1, actor.num_cpus), (name, actor)
