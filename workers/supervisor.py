@@ -317,6 +317,17 @@ class EngineSupervisor:
         self._inner[request_id] = ""  # no attempt running yet: nothing to cancel
         self._cancelled[request_id] = asyncio.Event()
 
+    def _inner_id(self, request_id: str, attempt: int) -> str:
+        """The id of a resumed attempt on rank 0: `<id>~<attempt>`, or with more `~`
+        where a client's own request (its first attempt runs under its own id) or
+        another attempt holds that id: rank 0 would refuse the resumed attempt as a
+        duplicate, ending a stream INVALID_ARGUMENT after its tokens."""
+        inner = f"{request_id}~{attempt}"
+        taken = {*self._inner, *self._inner.values()}
+        while inner in taken:
+            inner += "~"
+        return inner
+
     def _release(self, request_id: str) -> None:
         self._inner.pop(request_id, None)
         self._cancelled.pop(request_id, None)
@@ -331,7 +342,9 @@ class EngineSupervisor:
             attempt = 0
             while True:
                 generation = await self._wait_ready(deadline, request.request_id)
-                inner = _attempt(request, attempt, deadline)
+                inner = _attempt(
+                    request, attempt, deadline, inner_id=self._inner_id(request.request_id, attempt)
+                )
                 self._inner[request.request_id] = inner.request_id
                 try:
                     result = await self.group.agenerate(inner)
@@ -354,7 +367,15 @@ class EngineSupervisor:
             attempt = 0
             while True:
                 generation = await self._wait_ready(deadline, request.request_id)
-                inner = _attempt(request, attempt, deadline, sent, sent_chars, stats)
+                inner = _attempt(
+                    request,
+                    attempt,
+                    deadline,
+                    sent,
+                    sent_chars,
+                    stats,
+                    inner_id=self._inner_id(request.request_id, attempt),
+                )
                 self._inner[request.request_id] = inner.request_id
                 finished = False  # the result was sent: the stream is complete
                 try:
@@ -418,7 +439,9 @@ def _deadline(request: GenerationRequest) -> float | None:
     return time.monotonic() + request.time_limit_s if request.time_limit_s else None
 
 
-def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0, stats=None):
+def _attempt(
+    request, attempt: int, deadline, sent=(), sent_chars: int = 0, stats=None, inner_id=None
+):
     """The request as the engine runs it this time: its own id (the old engine may
     still know the old one), the time left, and for a resumed stream the tokens sent.
     The time left is counted from the request's arrival: a first attempt that waited
@@ -428,7 +451,7 @@ def _attempt(request, attempt: int, deadline, sent=(), sent_chars: int = 0, stat
         return request if left is None else replace(request, time_limit_s=left)
     resumed = replace(
         request,
-        request_id=f"{request.request_id}~{attempt}",
+        request_id=inner_id or f"{request.request_id}~{attempt}",
         time_limit_s=left,
         resume_token_ids=tuple(sent),
         resume_text_chars=sent_chars,

@@ -215,3 +215,40 @@ def test_a_second_request_with_a_running_id_is_refused_and_the_first_stays_cance
         return again
 
     assert asyncio.run(run()).text == "ok"
+
+
+def test_a_resumed_attempt_never_takes_an_id_a_client_request_holds():
+    """A resumed attempt runs on rank 0 as `<id>~<n>`. A client request sent with that
+    very id while the first waited for a restart made rank 0 refuse whichever came
+    second as a duplicate: a stream would end INVALID_ARGUMENT after its tokens."""
+
+    class Group(FlakyGroup):
+        def __init__(self) -> None:
+            super().__init__(fail=1, restart_s=0.2)
+            self.live: set[str] = set()
+
+        async def agenerate(self, request):
+            if request.request_id in self.live:  # as rank 0 refuses a running id
+                raise InvalidRequestError(
+                    "request_id", f"{request.request_id!r} is already running"
+                )
+            self.live.add(request.request_id)
+            try:
+                await asyncio.sleep(0.1)  # both run at once
+                return await super().agenerate(request)
+            finally:
+                self.live.discard(request.request_id)
+
+    async def run():
+        group = Group()
+        sup = EngineSupervisor(group, _config())
+        first = asyncio.create_task(sup.agenerate(_req("a")))
+        while sup.state == "SERVING":
+            await asyncio.sleep(0.01)
+        other = asyncio.create_task(sup.agenerate(_req("a~1")))  # during the restart
+        return await first, await other, [r.request_id for r in group.seen]
+
+    a, other, seen = asyncio.run(run())
+    assert a.text == other.text == "ok" and a.stats.resumed == 1
+    assert a.request_id == "a" and other.request_id == "a~1"
+    assert sorted(seen) == ["a", "a~1", "a~1~"], seen
