@@ -511,8 +511,13 @@ class CactusIngress:
 
     def __del__(self) -> None:
         """Serve calls this after draining (graceful_shutdown_timeout_s): stop the
-        engine's actors now rather than when Ray notices their owner is gone."""
-        group = getattr(getattr(self, "engine", None), "group", None)
-        if group is not None:
+        engine's actors now rather than when Ray notices their owner is gone. Through
+        the supervisor where there is one: requests waiting for a restart then end at
+        once, and its monitor stops."""
+        engine = getattr(self, "engine", None)
+        stop = getattr(engine, "shutdown", None)  # EngineSupervisor (through the drain)
+        if stop is None:
+            stop = getattr(getattr(engine, "group", None), "shutdown", None)
+        if stop is not None:
             with contextlib.suppress(Exception):
-                group.shutdown()
+                stop()

@@ -573,3 +573,27 @@ def test_configured_temperature_and_k_fill_unset_fields(ray_session):
     asyncio.run(shim.Generate(msg, Ctx()))
     req = engine.seen[-1]
     assert req.sampling.temperature == 0.0 and req.speculation.num_speculative_tokens == 2
+
+
+def test_the_replicas_end_shuts_the_engine_down_through_its_supervisor(ray_session):
+    """Serve calls __del__ after draining: through the supervisor where there is one
+    (requests waiting for a restart end at once, its monitor stops), else the group."""
+    from types import SimpleNamespace
+
+    downs: list[str] = []
+
+    class Supervised(FakeEngine):
+        group = SimpleNamespace(shutdown=lambda: downs.append("group"))
+
+        def shutdown(self) -> None:
+            downs.append("supervisor")
+
+    class Grouped(FakeEngine):
+        group = SimpleNamespace(shutdown=lambda: downs.append("group"))
+
+    _shim(Supervised()).__del__()
+    assert downs[:1] == ["supervisor"]
+    downs.clear()
+    _shim(Grouped()).__del__()
+    assert downs[:1] == ["group"]
+    _shim(FakeEngine()).__del__()  # nothing to shut down: no error
