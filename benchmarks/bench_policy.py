@@ -213,32 +213,23 @@ def measure(args) -> list[dict]:
                 plan = active[rnd % len(active) :] + active[: rnd % len(active)]
                 for rule, k in plan:
                     _set_policy("goodput" if k == "goodput" else "fixed")
-                    if k == "goodput":
-                        res, window = _in_window(
-                            lambda rule=rule, clients=clients: run_level(
-                                server.address,
-                                rule,
-                                clients,
-                                args.seconds,
-                                max_tokens=MAX_TOKENS,
-                                warmup_s=args.settle,
-                                num_speculative_tokens=CEILING,
-                            ),
-                            args.settle,
-                            args.seconds,
-                            _rank0_policy,
-                        )
-                        _merge(policy.setdefault(rule, {}), window)
-                    else:
-                        res = run_level(
+
+                    def cell(rule=rule, clients=clients, k=k):
+                        return run_level(
                             server.address,
                             rule,
                             clients,
                             args.seconds,
                             max_tokens=MAX_TOKENS,
                             warmup_s=args.settle,
-                            num_speculative_tokens=max(k, 1),
+                            num_speculative_tokens=CEILING if k == "goodput" else max(k, 1),
                         )
+
+                    if k == "goodput":
+                        res, window = _in_window(cell, args.settle, args.seconds, _rank0_policy)
+                        _merge(policy.setdefault(rule, {}), window)
+                    else:
+                        res = cell()
                     if res.errors:
                         raise RuntimeError(
                             f"{res.errors} failed requests at {clients} x {rule} K={k}"

@@ -22,8 +22,10 @@ run without drafts).
 A row the policy drafts nothing for (k = 0) sends no ProposeBatch: its commits wait in
 `unsent`, and the draft side would free its session when the lease ran out. So every
 session no call has named for lease_s / 4 gets a touch row (num_tokens = 0: nothing
-drafted, the lease renewed), sent on the session lane after its Open; a dead rank 0
-touches nothing, and the lease frees its sessions.
+drafted, the lease renewed), sent on the session lane after its Open. The check runs in
+`prefetch`, which the engine calls at the end of every step (with no row when none
+drafts, and while prompts only prefill); a dead rank 0 touches nothing, and the lease
+frees its sessions.
 """
 
 from __future__ import annotations
@@ -293,7 +295,6 @@ class GrpcDrafter:
         each row's block is checked on its own. A transport failure raises
         WorkerUnavailableError (those rows go on without drafts); a row the draft side
         refused gets its own error."""
-        self._keep_alive()
         out: list = [None] * len(rows)
         if self._prefetch is not None:
             self._take_prefetched(rows, out)
@@ -372,7 +373,6 @@ class GrpcDrafter:
         session.applied_seq = max(session.applied_seq, session.pending_seq)
         session.pending_seq = 0
         session.committed = epoch + num_accepted + 1
-        self._keep_alive()  # the rows held at k = 0 commit, and send nothing else
 
     def flush(self, request_id: str) -> None:
         """Wait for Open and send the recorded commits now (tests drive the protocol

@@ -316,7 +316,6 @@ class _Fit:
 
     def coef(self) -> np.ndarray:
         if self._stale and len(self):
-            seen = self.t  # a row added meanwhile (another thread) leaves the fit stale
             d = self.scale
             a, b = self.xtx / np.outer(d, d), self.xty / d  # the fit on scaled features
             keep = np.ones(len(d), dtype=bool)
@@ -330,7 +329,7 @@ class _Fit:
                     break
                 keep &= theta >= 0
             self.theta = np.maximum(theta, 0.0) / d
-            self._stale = self.t != seen
+            self._stale = False
         return self.theta
 
 

@@ -317,12 +317,14 @@ class EngineSupervisor:
         self._inner[request_id] = ""  # no attempt running yet: nothing to cancel
         self._cancelled[request_id] = asyncio.Event()
 
-    def _inner_id(self, request_id: str, attempt: int) -> str:
-        """The id of a resumed attempt on rank 0: `<id>~<attempt>`, or with more `~`
-        where a client's own request (its first attempt runs under its own id) or
-        another attempt holds that id: rank 0 would refuse the resumed attempt as a
-        duplicate, ending a stream INVALID_ARGUMENT after its tokens."""
-        inner = f"{request_id}~{attempt}"
+    def _inner_id(self, request: GenerationRequest, attempt: int) -> str | None:
+        """The id of a resumed attempt on rank 0 (None for the first, which runs under
+        the request's own): `<id>~<attempt>`, or with more `~` where a client's own
+        request or another attempt holds that id: rank 0 would refuse the resumed
+        attempt as a duplicate, ending a stream INVALID_ARGUMENT after its tokens."""
+        if attempt == 0:
+            return None
+        inner = f"{request.request_id}~{attempt}"
         taken = {*self._inner, *self._inner.values()}
         while inner in taken:
             inner += "~"
@@ -343,7 +345,7 @@ class EngineSupervisor:
             while True:
                 generation = await self._wait_ready(deadline, request.request_id)
                 inner = _attempt(
-                    request, attempt, deadline, inner_id=self._inner_id(request.request_id, attempt)
+                    request, attempt, deadline, inner_id=self._inner_id(request, attempt)
                 )
                 self._inner[request.request_id] = inner.request_id
                 try:
@@ -374,7 +376,7 @@ class EngineSupervisor:
                     sent,
                     sent_chars,
                     stats,
-                    inner_id=self._inner_id(request.request_id, attempt),
+                    inner_id=self._inner_id(request, attempt),
                 )
                 self._inner[request.request_id] = inner.request_id
                 finished = False  # the result was sent: the stream is complete

@@ -141,8 +141,9 @@ class MirroredRunner:
 
     def forward(self, seq_ids, token_ids, *, logits: str = "all") -> list[torch.Tensor]:
         seq_ids, token_ids = list(seq_ids), [list(t) for t in token_ids]
-        with self._lock:  # bad arguments raise here, before any follower sees them
-            self.runner._rows_for(seq_ids, token_ids, logits)
+        if self.world_size > 1:  # bad arguments raise here, before any follower sees them
+            with self._lock:
+                self.runner._rows_for(seq_ids, token_ids, logits)
         return self._mirror("forward", seq_ids, token_ids, logits=logits)
 
     def rollback(self, seq_id: str, num_tokens: int) -> None:

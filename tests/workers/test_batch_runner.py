@@ -277,6 +277,19 @@ def test_rows_grow_lazily(tiny_checkpoints):
     assert bat._cache.layers[0].keys.shape[::2] == (2, 256)
 
 
+def _runners_and_tokens(path, rows: int, seed: int):
+    """The per-sequence reference, a BatchRunner of `rows` rows on the same weights, and
+    a seeded draw of n random token ids."""
+    ref = ModelRunner(path)
+    bat = BatchRunner(path, model=ref.model, max_num_seqs=rows)
+    gen = torch.Generator().manual_seed(seed)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, bat.vocab_size, (n,), generator=gen).tolist()
+
+    return ref, bat, toks
+
+
 @pytest.mark.parametrize("freed", ["hole", "last"])
 def test_a_freed_rows_non_finite_kv_never_reaches_a_later_sequence(freed, tiny_checkpoints):
     """A sequence whose keys/values overflowed (NaN from slot 3 on, rolled-back slots too)
@@ -284,13 +297,7 @@ def test_a_freed_rows_non_finite_kv_never_reaches_a_later_sequence(freed, tiny_c
     additive, so a masked NaN slot still makes a row's attention NaN whenever the forward's
     kv_len reaches it (a longer row beside it). "hole": the last row moves into the freed
     row and keeps its tail; "last": the freed row is the last one and a new sequence gets it."""
-    path = tiny_checkpoints["llama"]
-    ref = ModelRunner(path)
-    bat = BatchRunner(path, model=ref.model, max_num_seqs=3)
-    gen = torch.Generator().manual_seed(5)
-
-    def toks(n: int) -> list[int]:
-        return torch.randint(0, bat.vocab_size, (n,), generator=gen).tolist()
+    ref, bat, toks = _runners_and_tokens(tiny_checkpoints["llama"], rows=3, seed=5)
 
     order = ["long", "x", "short"] if freed == "hole" else ["long", "short", "x"]
     prompts = {"long": toks(40), "x": toks(30), "short": toks(6)}
@@ -325,13 +332,7 @@ def test_a_forward_computes_its_rows_not_the_idle_rows_between_them(tiny_checkpo
     """Rows drift apart (releases fill holes, admissions append): a prefill of rows 0 and
     7 must not also run rows 1-6 through the model, while a decode step with one row
     sitting out, or a drafting step over a few far rows, stays one model call."""
-    path = tiny_checkpoints["llama"]
-    ref = ModelRunner(path)
-    bat = BatchRunner(path, model=ref.model, max_num_seqs=8)
-    gen = torch.Generator().manual_seed(11)
-
-    def toks(n: int) -> list[int]:
-        return torch.randint(0, bat.vocab_size, (n,), generator=gen).tolist()
+    ref, bat, toks = _runners_and_tokens(tiny_checkpoints["llama"], rows=8, seed=11)
 
     seqs = [f"s{i}" for i in range(8)]
     for s in seqs:

@@ -235,10 +235,11 @@ def test_the_status_names_the_draft_vocabulary(runner):
 def test_a_long_prompt_drafts_the_same_in_process_and_through_the_service(
     tiny_checkpoints, monkeypatch
 ):
-    """The draft actor prefills a long prompt in chunks; the in-process drafter does so in
-    the same chunks (one constant), so a seeded request drafts the same tokens and
-    probabilities on either side (an unchunked prefill's cache differs by float
-    rounding). The tiny checkpoint's context is 256, so the chunk is shrunk to 64."""
+    """The draft actor prefills a long prompt in chunks; the in-process drafter prefills
+    in the same chunks (one constant), so both compute the same draft cache and a seeded
+    request drafts the same tokens and probabilities on either side. The chunks are
+    checked themselves: on this tiny checkpoint a whole-prompt prefill happens to give
+    the same probabilities. Its context is 256, so the chunk is shrunk to 64."""
     import workers.local
     from workers.wire import decode_block
 
@@ -249,12 +250,24 @@ def test_a_long_prompt_drafts_the_same_in_process_and_through_the_service(
     )
     monkeypatch.setattr(workers.local, "DRAFT_PREFILL_CHUNK", 64)
     ids = [(7 * i + 3) % 50 + 2 for i in range(200)]
-    local = LocalDrafter(BatchRunner(path, max_num_seqs=1))
+
+    def recording_drafter() -> tuple[LocalDrafter, list[int]]:
+        runner, widths = BatchRunner(path, max_num_seqs=1), []
+        forward = runner.forward
+
+        def recorded(seq_ids, token_ids, **kw):
+            widths.append(max(len(t) for t in token_ids))
+            return forward(seq_ids, token_ids, **kw)
+
+        runner.forward = recorded
+        return LocalDrafter(runner), widths
+
+    local, local_widths = recording_drafter()
     local.start("a", ids, SamplingParams(max_tokens=16, temperature=0.8), seed=1)
+    assert local_widths == [64, 64, 64, 7]  # the prompt but its last token, in chunks
     (want,) = local.propose([ProposeRow("a", 4)])
-    servicer = DraftServicer(
-        LocalDrafter(BatchRunner(path, max_num_seqs=1)), prefill_chunk_tokens=64
-    )
+    remote, remote_widths = recording_drafter()
+    servicer = DraftServicer(remote, prefill_chunk_tokens=64)
 
     async def run():
         await servicer.Open(_open("a", ids), CTX)
@@ -268,5 +281,6 @@ def test_a_long_prompt_drafts_the_same_in_process_and_through_the_service(
         k=4,
         vocab=servicer.drafter.runner.vocab_size,
     )
+    assert remote_widths[:4] == [64, 64, 64, 7]
     assert got.token_ids == want.token_ids
     assert torch.equal(got.probs, want.probs)

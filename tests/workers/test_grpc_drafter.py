@@ -146,8 +146,9 @@ def test_a_row_drafted_nothing_for_keeps_its_draft_session(tiny_checkpoints):
             drafter.flush("held")
             committed = 3
             deadline = time.monotonic() + 4.5  # more than two leases
-            while time.monotonic() < deadline:  # plain decoding steps: commits only
-                drafter.commit("held", committed, 0, 11)
+            while time.monotonic() < deadline:  # plain decoding steps: a commit, and the
+                drafter.commit("held", committed, 0, 11)  # engine's end-of-step prefetch
+                drafter.prefetch([])  # (no row drafts)
                 committed += 1
                 time.sleep(0.1)
             assert "held" in servicer.sessions

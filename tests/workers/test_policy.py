@@ -162,19 +162,8 @@ def test_per_k_windows_keep_every_k_the_fit_has_seen():
 
 def _trained_policy(p_accept: dict[str, float], steps: int = 300, cost=_observe):
     policy = SpeculationPolicy(PolicyConfig(warmup_steps=24))
-    rng = np.random.default_rng(2)
-    for step in range(steps):
-        rows = [PolicyRow(f"{g}-{i}", g, 8) for g in p_accept for i in range(3)]
-        plan = policy.plan(rows)
-        accepted = []
-        for r, k in zip(rows, plan.ks, strict=True):
-            a = 0
-            while a < k and rng.random() < p_accept[r.group]:
-                a += 1
-            accepted.append(a)
-        policy.observe_rows(rows, plan.ks, accepted, plan.expected_tokens)
-        cost(policy.cost, plan.ks)
-        del step
+    rows = [PolicyRow(f"{g}-{i}", g, 8) for g in p_accept for i in range(3)]
+    _serve(policy, rows, p_accept, steps, seed=2, cost=cost)
     return policy
 
 
@@ -296,9 +285,10 @@ def _half_does_not_pay(cost: CostModel, ks):
     cost.observe(list(ks), [0] * b, draft, verify, 0.002)
 
 
-def _serve(policy, rows, truth, steps, seed):
+def _serve(policy, rows, truth, steps, seed, cost=None):
     """`steps` planned and observed steps of `rows` (row i accepts each position with
-    probability truth[group]); the ks of each step."""
+    probability truth[group]), timed by `cost` (default: half the rows' drafting does
+    not pay); the ks of each step."""
     rng = np.random.default_rng(seed)
     history = []
     for _ in range(steps):
@@ -310,7 +300,7 @@ def _serve(policy, rows, truth, steps, seed):
                 a += 1
             accepted.append(a)
         policy.observe_rows(rows, plan.ks, accepted, plan.expected_tokens)
-        _half_does_not_pay(policy.cost, plan.ks)
+        (cost or _half_does_not_pay)(policy.cost, plan.ks)
         history.append(plan.ks)
     return history
 
