@@ -284,10 +284,12 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         self._drop(request_id)
 
     def _drop(self, request_id: str) -> None:
-        """Free a session, or the row of an Open still prefilling (which then stops)."""
+        """Free a session, or the row of an Open still prefilling (which then stops). The row
+        is released before the session goes, so a reader on another thread that sees no
+        session also sees no row."""
+        self.drafter.release(request_id)
         self.sessions.pop(request_id, None)
         self._opening.pop(request_id, None)
-        self.drafter.release(request_id)
 
     async def reset(self) -> int:
         """Drop every session (the engine they belonged to was rebuilt)."""

@@ -158,7 +158,7 @@ def test_a_row_drafted_nothing_for_keeps_its_draft_session(tiny_checkpoints):
         finally:
             drafter.close()
         deadline = time.monotonic() + 10  # rank 0 is gone: the lease frees the row
-        while servicer.sessions and time.monotonic() < deadline:
+        while (servicer.sessions or runner.num_sequences) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not servicer.sessions and runner.num_sequences == 0
 
