@@ -95,12 +95,13 @@ serve: setup
 
 # Stops the server on GRPC_PORT (one pid file per gRPC port): SIGINT, which drains, then
 # a bounded wait. A server still there after STOP_TIMEOUT seconds (default: the config's
-# recovery.drain_timeout_s + 60, room for Serve's backstop and Ray's own shutdown) is
+# recovery.drain_timeout_s + 60, room for Serve's backstop and Ray's own shutdown; read
+# after the SIGINT is sent, so that the drain starts at once) is
 # SIGKILLed, as Kubernetes ends a pod after its grace period (the Ray head it started
 # shares its fate), and make stop fails saying so. A pid file whose pid is not a
 # `deployments.serve` process (left by a server that was SIGKILLed or a reboot; the pid
 # may have been reused) is removed and nothing is signalled.
-STOP_TIMEOUT = $(or $(shell $(PY) -c 'from configs.schema import load_config; print(int(load_config("$(CONFIG)").recovery.drain_timeout_s) + 60)' 2>/dev/null),90)
+STOP_TIMEOUT ?=
 stop:
 	@pid=$(CACHE)/serve-$(GRPC_PORT).pid; p=$$(cat $$pid 2>/dev/null); \
 	if [ -n "$$p" ] && kill -0 $$p 2>/dev/null; then \
@@ -108,9 +109,10 @@ stop:
 	  if [ -n "$$args" ] && ! echo "$$args" | grep -q 'deployments[.]serve'; then \
 	    echo "removed a stale pid file: pid $$p is not a cactus server" >&2; rm -f $$pid; p=; fi; fi; \
 	if [ -n "$$p" ] && kill -0 $$p 2>/dev/null; then kill -INT $$p; \
+	  bound=$(or $(STOP_TIMEOUT),$$($(PY) -m configs.schema --stop-timeout "$(CONFIG)" 2>/dev/null || echo 90)); \
 	  waited=0; while kill -0 $$p 2>/dev/null; do \
-	    if [ $$waited -ge $(STOP_TIMEOUT) ]; then \
-	      echo "the server on port $(GRPC_PORT) (pid $$p) did not stop within $(STOP_TIMEOUT)s of SIGINT: killed it (SIGKILL)" >&2; \
+	    if [ $$waited -ge $$bound ]; then \
+	      echo "the server on port $(GRPC_PORT) (pid $$p) did not stop within $${bound}s of SIGINT: killed it (SIGKILL)" >&2; \
 	      kill -KILL $$p 2>/dev/null; rm -f $$pid; exit 1; fi; \
 	    sleep 1; waited=$$((waited + 1)); done; \
 	  echo "stopped the server on port $(GRPC_PORT)"; \

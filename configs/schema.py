@@ -519,5 +519,7 @@ def readme_with_table(readme: str) -> str:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--readme"]:
         README.write_text(readme_with_table(README.read_text()))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--stop-timeout":  # make stop's default bound
+        print(int(load_config(sys.argv[2]).recovery.drain_timeout_s) + 60)
     else:
         print(config_table())

@@ -146,16 +146,29 @@ def test_make_stop_never_signals_a_process_that_is_not_a_server():
 
 
 def test_make_stops_wait_is_bounded_by_the_configs_drain_time(tmp_path):
-    """STOP_TIMEOUT's default is the config's recovery.drain_timeout_s + 60."""
+    """STOP_TIMEOUT's default is the config's recovery.drain_timeout_s + 60, read after
+    the SIGINT is sent (make expands a recipe before running it: a $(shell) bound delayed
+    the signal, and so the drain, by a Python start and a config load)."""
     cfg = tmp_path / "short-drain.yaml"
     cfg.write_text("grpc_port: 59938\nrecovery:\n  drain_timeout_s: 5\n")
 
-    def bound(*args: str) -> str:
-        return _dry_run("stop", *args)
+    def default_bound(path) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "configs.schema", "--stop-timeout", str(path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
 
-    assert "-ge 65 ]" in bound(f"CONFIG={cfg}")
-    assert "-ge 90 ]" in bound("PORT=59938")  # configs/default.yaml: 30 s
-    assert "-ge 7 ]" in bound(f"CONFIG={cfg}", "STOP_TIMEOUT=7")
+    recipe = _dry_run("stop", f"CONFIG={cfg}")
+    signal_at = recipe.index("kill -INT")
+    assert recipe.index(f'-m configs.schema --stop-timeout "{cfg}"') > signal_at
+    assert "-ge $bound ]" in recipe
+    assert default_bound(cfg) == "65"
+    assert default_bound(REPO / "configs" / "default.yaml") == "90"  # drain 30 s
+    assert "bound=7;" in _dry_run("stop", f"CONFIG={cfg}", "STOP_TIMEOUT=7")
 
 
 def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path):

@@ -246,9 +246,11 @@ def test_a_load_level_measures_only_the_window_after_its_settle_time():
     finally:
         server.stop(grace=None)
     assert res.errors == 0 and res.seconds == 0.6
-    assert 0 < res.tokens <= 62, res.tokens
+    # at most 2 clients x 0.6 s / 20 ms = 60, with room for a stalled client (the
+    # settle time's tokens counted would make it about 110)
+    assert 0 < res.tokens <= 70, res.tokens
     # the clients were streaming during the settle time already
-    assert min(servicer.started) < begin + 0.25
+    assert min(servicer.started) < begin + 0.45  # (the settle time is 0.5 s)
     # latencies come from the requests the window started only
     assert 0 < res.requests < len(servicer.started) and len(res.ttft) == res.requests
 

@@ -195,6 +195,9 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         while len(text()) < at_draft_kill + 40 and reader.is_alive():
             time.sleep(0.05)
         assert reader.is_alive(), "the stream ended before rank 0 was killed"
+        # the sampled stream follows the goodput policy's timing-dependent k, so its
+        # tokens (and where it may reach EOS) differ run to run
+        sampling_at_kill = sampler.is_alive()
         rank_killed = time.monotonic()
         kill("rank0")
         # a request that arrives while the ranks restart waits for them and is served
@@ -226,7 +229,11 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     assert len(closing) == 1, closing
     reason = closing[0]["choices"][0]["finish_reason"]
     assert (reason, streamed) == ("length", max_tokens) or reason == "stop", (reason, streamed)
-    assert closing[0]["cactus"]["resumed"] >= 1 and closing[0]["cactus"]["seed"] == 11
+    assert closing[0]["cactus"]["seed"] == 11
+    if sampling_at_kill:
+        assert closing[0]["cactus"]["resumed"] >= 1, closing
+    else:  # it had ended by EOS before the kill
+        assert reason == "stop", closing
     # and the server serves the next request normally
     reply = _complete(base_url, "def f():")
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"

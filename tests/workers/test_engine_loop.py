@@ -111,15 +111,14 @@ def _first_step_rows(engine, wait_ms: float, gaps_s: list[float]) -> int:
 
 
 def test_an_idle_engine_starts_a_burst_of_requests_in_one_step(embedded_engine):
-    """Four requests 5 ms apart start in one step when the idle engine waits up to 50 ms
-    per arrival, and one step apart without a wait; a request that comes 400 ms later
-    is not waited for (the wait ends after 5 x 10 ms). (Gaps and waits are 10x the
-    served ones, 0.2-1 ms and 2 ms, so that a busy machine's scheduling cannot blur
-    them.)"""
+    """Four requests 5 ms apart start in one step when the idle engine waits up to 500 ms
+    per arrival, and one step apart without a wait; a request that comes 1 s later is
+    not waited for (the wait ends after 5 x 10 ms). (Gaps and waits are 100x the served
+    ones, 0.2-1 ms and 2 ms, so that a busy machine's scheduling cannot blur them.)"""
     burst = [0.005] * 3
-    assert _first_step_rows(embedded_engine, 50.0, burst) == 4
-    assert _first_step_rows(embedded_engine, 0.0, [0.05] * 3) == 1
-    assert _first_step_rows(embedded_engine, 10.0, [0.4]) == 1
+    assert _first_step_rows(embedded_engine, 500.0, burst) == 4
+    assert _first_step_rows(embedded_engine, 0.0, [0.5] * 3) == 1
+    assert _first_step_rows(embedded_engine, 10.0, [1.0]) == 1
     # the default comes from the engine's scheduler config
     loop = EngineLoop(embedded_engine)
     try:

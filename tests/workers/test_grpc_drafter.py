@@ -140,12 +140,12 @@ def test_a_row_drafted_nothing_for_keeps_its_draft_session(tiny_checkpoints):
     runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
     servicer = DraftServicer(LocalDrafter(runner))
     with _serving(servicer, lease_period_s=0.02) as address:
-        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30, lease_s=2.0)
+        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30, lease_s=3.0)
         try:
             drafter.start("held", [5, 6, 7], SamplingParams(max_tokens=128, temperature=0.8), 1)
             drafter.flush("held")
             committed = 3
-            deadline = time.monotonic() + 4.5  # more than two leases
+            deadline = time.monotonic() + 7.0  # more than two leases
             while time.monotonic() < deadline:  # plain decoding steps: a commit, and the
                 drafter.commit("held", committed, 0, 11)  # engine's end-of-step prefetch
                 drafter.prefetch([])  # (no row drafts)

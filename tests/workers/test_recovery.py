@@ -130,6 +130,7 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
     assert first["threads"] == 2 and ray.get(group.ranks[0].status.remote())["threads"] == 2
     assert _bundle(group.draft) == (group.pg.id.hex(), 0)
     sup = EngineSupervisor(group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5))
+    _pace(group.ranks[0])
     # the hung-actor test's prompts and lengths: their references are computed once
     prompts = _prompts(embedded_engine, heldout_prompts[2:], 2)
     # Long enough to outlive the replacement (a new worker process loads the model).
@@ -183,6 +184,23 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
         print(f"draft killed: speculating again after {respeculating_s:.1f} s")
     finally:
         group.shutdown()
+
+
+def _pace(rank, seconds: float = 0.015) -> None:
+    """Rank 0 sleeps `seconds` after each step, so that streams decoding without drafts
+    cannot outrun a draft actor's replacement (a process start and a model load, 8-9 s
+    on a 2-core machine) however fast or loaded the machine is."""
+
+    def arm(actor):
+        record = actor.loop.on_step
+
+        def on_step(engine, batch):
+            time.sleep(seconds)
+            record(engine, batch)
+
+        actor.loop.on_step = on_step
+
+    ray.get(rank.__ray_call__.remote(arm))
 
 
 def _fail_the_next_forward(rank) -> None:
@@ -351,6 +369,7 @@ def test_hung_actors_are_declared_dead_by_their_probe(
     import signal
 
     group, sup = _probed_group(tp_size=1)
+    _pace(group.ranks[0])
     prompts = _prompts(embedded_engine, heldout_prompts[2:], 2)
     reqs = [_req(p, f"hung{i}", temperature=0.0, max_tokens=600) for i, p in enumerate(prompts)]
     stopped_pids: list[int] = []

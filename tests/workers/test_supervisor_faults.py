@@ -134,7 +134,7 @@ def test_a_request_waiting_for_a_restart_ends_when_the_engine_shuts_down():
         start = time.monotonic()
         sup.shutdown()
         with pytest.raises(WorkerUnavailableError, match="shut down"):
-            await asyncio.wait_for(waiting, 2.0)
+            await asyncio.wait_for(waiting, 4.0)
         ended = time.monotonic() - start
         release.set()
         while sup._recovery is not None and not sup._recovery.done():
@@ -142,7 +142,7 @@ def test_a_request_waiting_for_a_restart_ends_when_the_engine_shuts_down():
         return ended, group
 
     ended, group = asyncio.run(run())
-    assert ended < 0.5, ended
+    assert ended < 2.0, ended  # at once (the restart holds for 5 s)
     assert group.calls == 1  # never started again
 
 
@@ -167,7 +167,7 @@ def test_a_cancel_between_attempts_ends_the_request_at_once():
         start = time.monotonic()
         sup.cancel("w")
         with pytest.raises(RequestCancelledError):
-            await asyncio.wait_for(waiting, 2.0)
+            await asyncio.wait_for(waiting, 4.0)
         ended = time.monotonic() - start
         release.set()
         while sup.state != "SERVING":
@@ -176,7 +176,7 @@ def test_a_cancel_between_attempts_ends_the_request_at_once():
         return ended, group, after
 
     ended, group, after = asyncio.run(run())
-    assert ended < 0.5, ended
+    assert ended < 2.0, ended  # at once (the restart holds for 5 s)
     assert [r.request_id for r in group.seen] == ["w", "w"]  # the first, then the new one
     assert after.text == "ok" and after.stats.resumed == 0
 
@@ -201,7 +201,10 @@ def test_a_draft_actor_that_cannot_be_replaced_is_given_up_on():
         assert (await sup.agenerate(_req("r"))).text == "ok"
         # 2 tries with 0.5 s and 1 s back-off (given up at ~1.6 s); the old code began
         # a new round at the next probe, every ~1.6 s
-        await asyncio.sleep(2.5)
+        deadline = time.monotonic() + 30
+        while not sup.draft_given_up and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.5)  # more than a round: none starts
         result = await sup.agenerate(_req("after"))
         return group, sup, result
 

@@ -90,8 +90,9 @@ def test_a_request_that_runs_out_of_attempts_ends_unavailable():
 
 def test_a_request_waits_for_a_restart_at_most_the_recovery_timeout():
     async def run():
-        group = FlakyGroup(fail=1, restart_s=1.5)
-        sup = EngineSupervisor(group, _config(recovery_timeout_s=0.4))
+        # (seconds wide enough that a loaded machine's scheduling cannot blur them)
+        group = FlakyGroup(fail=1, restart_s=5.0)
+        sup = EngineSupervisor(group, _config(recovery_timeout_s=2.0))
         first = asyncio.create_task(sup.agenerate(_req("first")))
         while sup.state == "SERVING":
             await asyncio.sleep(0.01)
@@ -112,8 +113,8 @@ def test_a_request_waits_for_a_restart_at_most_the_recovery_timeout():
         return waited, hurried, await sup.agenerate(_req("after"))
 
     waited, hurried, after = asyncio.run(run())
-    assert 0.3 < waited < 1.2, waited
-    assert hurried < 0.35, hurried
+    assert 1.9 < waited < 4.0, waited
+    assert hurried < 1.0, hurried
     assert after.text == "ok" and after.stats.resumed == 0
 
 
