@@ -126,5 +126,11 @@ generate: setup
 models: setup
 	$(PY) -m models.build
 
+# Refuses while a server it started runs: its pid file (in the cache) is what make stop
+# finds it by.
 clean:
+	@for f in $(CACHE)/serve-*.pid; do [ -f "$$f" ] || continue; p=$$(cat "$$f"); \
+	  if [ -n "$$p" ] && kill -0 $$p 2>/dev/null && tr '\0' ' ' < /proc/$$p/cmdline 2>/dev/null | grep -q 'deployments[.]serve'; then \
+	    port=$${f##*/serve-}; port=$${port%.pid}; \
+	    echo "a server is running on port $$port (pid $$p): make stop PORT=$$port first" >&2; exit 1; fi; done
 	rm -rf $(VENV) $(CACHE) .pytest_cache

@@ -126,6 +126,44 @@ def test_make_stop_kills_a_server_that_outlasts_stop_timeout():
         pid.unlink(missing_ok=True)
 
 
+def test_make_clean_refuses_while_a_server_runs(tmp_path):
+    """make clean removes the cache, where make stop finds a server's pid: it refuses
+    while the server runs, and cleans once it has gone (in a scratch directory, cache
+    and virtual environment, so that a failure cannot remove the real ones)."""
+    cache, venv = tmp_path / "cache", tmp_path / "venv"
+    cache.mkdir()
+    venv.mkdir()
+    port = "59939"
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)  # stands in for deployments.serve"]
+    )
+
+    def clean() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["make", "-s", "-f", str(REPO / "Makefile"), "clean", f"CACHE={cache}", f"VENV={venv}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=os.environ.copy(),
+        )
+
+    try:
+        (cache / f"serve-{port}.pid").write_text(str(server.pid))
+        refused = clean()
+        assert refused.returncode != 0
+        assert f"a server is running on port {port} (pid {server.pid})" in refused.stderr
+        assert f"make stop PORT={port} first" in refused.stderr
+        assert cache.exists() and venv.exists()
+        server.kill()
+        server.wait(timeout=10)
+        done = clean()
+        assert done.returncode == 0, done.stderr
+        assert not cache.exists() and not venv.exists()
+    finally:
+        server.kill()
+
+
 def test_make_stop_never_signals_a_process_that_is_not_a_server():
     """A pid file left by a server that was SIGKILLed (or a reboot) may name a pid some
     other process has since taken: make stop removes it and signals nothing."""
