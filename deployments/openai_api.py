@@ -91,6 +91,11 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix", "logprobs"
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
 
+# Retry-After (seconds) on the app's own 429 and 503 answers: a restart takes seconds,
+# and a client's retries back off further on their own (openai-python honours it)
+RETRY_AFTER = "1"
+
+
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
         super().__init__(message)
@@ -669,7 +674,11 @@ def build_routes(ingress, tokenize, logger):
         error = as_openai_error(err, request_id, sent)
         if error.status >= 500 and error.status != 503:
             logger.error("request %s failed", request_id, exc_info=unwrap(err))
-        return JSONResponse(error.body(), status_code=error.status)
+        # a passing state (a restart, a full engine, a drain that another replica can
+        # take over from): say when to retry, as Serve's own 429 does
+        retry = error.status in (429, 503)
+        headers = {"Retry-After": RETRY_AFTER} if retry else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):

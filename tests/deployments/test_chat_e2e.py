@@ -310,6 +310,7 @@ def test_a_replica_whose_engine_cannot_be_rebuilt_is_replaced_by_serve(chat_serv
                 break
             time.sleep(1.0)
         assert refused is not None, "the failed restart never made the engine unavailable"
+        assert refused.headers.get("retry-after") == "1", refused.headers
     finally:
         away.rename(verifier_dir)
     deadline = time.monotonic() + 240

@@ -415,6 +415,8 @@ def test_auth_and_engine_failures_map_to_statuses(ray_session):
         )
         assert reply.status_code == status and "rank 1" not in reply.text
         assert reply.json()["error"]["type"] == "server_error"
+        # a restart passes: when to retry (not for a bug)
+        assert reply.headers.get("retry-after") == ("1" if status == 503 else None)
 
 
 def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event(ray_session):
