@@ -6,13 +6,17 @@
 Steps: train a byte-level BPE tokenizer on the stdlib corpus, pretrain the
 verifier on next-token prediction, save it (bfloat16), reload it and distill the
 draft on the verifier's full softmax over the same training text, save the draft.
-Seeds, data order and step counts are fixed, so a rerun repeats the same run.
+Seeds, data order and step counts are fixed, so a rerun repeats the same run. Both
+models are built in a staging folder and moved into place together at the end, so an
+interrupted run leaves the old pair, never a new verifier beside an old draft.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +106,28 @@ def load_float32(path: Path):
 
 def build(plan: BuildPlan, out: Path) -> dict:
     """Train and save the verifier / draft pair under ``out``; return build stats."""
+    staging = out / ".build"
+    shutil.rmtree(staging, ignore_errors=True)  # an interrupted run's
+    stats = _build(plan, staging)
+    _publish(staging, out)
+    return stats
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Replace out/verifier, out/draft and out/build_stats.json by the staged ones."""
+    for name in ("verifier", "draft"):
+        old = out / f".old-{name}"
+        shutil.rmtree(old, ignore_errors=True)
+        if (out / name).exists():
+            (out / name).rename(old)
+    for name in ("verifier", "draft", "build_stats.json"):
+        (staging / name).rename(out / name)
+    for name in ("verifier", "draft"):
+        shutil.rmtree(out / f".old-{name}", ignore_errors=True)
+    staging.rmdir()
+
+
+def _build(plan: BuildPlan, out: Path) -> dict:
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     tokenizer, train_blocks, heldout_blocks = prepare_data(plan)
@@ -133,6 +159,10 @@ def build(plan: BuildPlan, out: Path) -> dict:
         "draft": d_stats,
         "train_tokens_available": train_blocks.numel(),
         "total_wall_s": round(time.perf_counter() - t0, 1),
+        # what the corpus and the arithmetic came from: another Python has another
+        # stdlib (so another tokenizer and weights)
+        "python": platform.python_version(),
+        "torch": torch.__version__,
     }
     (out / "build_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats
