@@ -5,9 +5,11 @@ which the workers import): the CLI imports workers, the client and Ray.
 
     cactus generate --prompt "def add(a, b):" [--rule cactus --delta 1 -K 4 ...]
                     [--stream] [--json] [--verifier DIR --draft DIR]
+    cactus client --prompt "def add(a, b):" [--address HOST:PORT] [--stream] [--json] ...
 
-Runs the in-process engine on the embedded models (models/verifier, models/draft) unless
-other checkpoint folders are given.
+`generate` runs the in-process engine on the embedded models (models/verifier,
+models/draft) unless other checkpoint folders are given; `client` calls a running server
+(`make serve`) over gRPC.
 """
 
 from __future__ import annotations
@@ -55,9 +57,14 @@ def _generate_parser(sub) -> None:
 
 def _client_parser(sub) -> None:
     p = sub.add_parser("client", help="call a running server over gRPC")
-    p.add_argument("--address", default="127.0.0.1:9000")
+    p.add_argument("--address", default="127.0.0.1:9000", help="host:port (default 127.0.0.1:9000)")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--token", default=os.environ.get("CACTUS_AUTH_TOKEN"))
+    p.add_argument(
+        "--token",
+        default=os.environ.get("CACTUS_AUTH_TOKEN"),
+        help="bearer token, sent as `authorization: Bearer <token>` metadata "
+        "(default: the CACTUS_AUTH_TOKEN environment variable, if set)",
+    )
     # every field's default is None: unset, the server's default (README, Python client)
     p.add_argument("--rule", default=None, help="unset: speculation.default_rule")
     p.add_argument("--delta", type=float, default=None)
@@ -77,9 +84,21 @@ def _client_parser(sub) -> None:
         "--max-tokens", type=int, default=None, help="unset: sampling.default_max_tokens"
     )
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--stream", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument(
+        "--stream", action="store_true", help="print text as it is produced (GenerateStream)"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object, as `cactus generate --json` does (after the text with "
+        "--stream; text and token ids gathered over the whole stream)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="the call's deadline in seconds, retries included (default 120)",
+    )
 
 
 def client_kwargs(args) -> dict:
@@ -99,32 +118,70 @@ def client_kwargs(args) -> dict:
     }
 
 
+def reply_json(replies) -> dict:
+    """`cactus client --json`: a GenerateResponse, or a stream's chunks gathered (text and
+    token ids over all of them; the last carries finish_reason, usage, seed and stats),
+    as the dict `cactus generate --json` prints (result_json), less the stats the gRPC API
+    does not carry (divergence_capped and the draft, verify and kernel times)."""
+    from protos.cactus.v1 import cactus_pb2 as pb
+
+    replies = list(replies)
+    last = replies[-1] if replies else pb.GenerateResponse()
+    token_ids = [int(t) for reply in replies for t in reply.token_ids]
+    stats = last.stats
+    return {
+        "request_id": next((r.request_id for r in replies if r.request_id), ""),
+        "text": "".join(reply.text for reply in replies),
+        "token_ids": token_ids,
+        "finish_reason": last.finish_reason,
+        "seed": last.seed,
+        "usage": {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": len(token_ids)},
+        "stats": {
+            "num_drafts": stats.num_drafts,
+            "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "accepted_per_position": list(stats.accepted_per_position),
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "acceptance_rate": stats.acceptance_rate,
+            "divergence_nats": stats.divergence_nats,
+            "draft_failures": stats.draft_failures,
+            "resumed": stats.resumed,
+            "degraded": stats.degraded,
+        },
+    }
+
+
 def client(args) -> int:
+    """Exit status: 0 done; 2 a bad value, found here (ValueError) or by the server
+    (INVALID_ARGUMENT), as `cactus generate` exits for a bad field; 1 any other error."""
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from client import CactusClient
 
-    c = CactusClient(args.address, token=args.token, timeout=args.timeout)
-    kw = client_kwargs(args)
+    c = None
     try:
+        c = CactusClient(args.address, token=args.token, timeout=args.timeout)
+        kw = client_kwargs(args)
         if args.stream:
-            last = None
+            chunks = []
             for chunk in c.stream(args.prompt, **kw):
                 print(chunk.text, end="", flush=True)
-                last = chunk
+                chunks.append(chunk)
             print()
-            if args.json and last is not None:
-                print(json.dumps(MessageToDict(last)))
+            if args.json:
+                print(json.dumps(reply_json(chunks)))
         else:
             reply = c.generate(args.prompt, **kw)
-            print(json.dumps(MessageToDict(reply)) if args.json else reply.text)
+            print(json.dumps(reply_json([reply])) if args.json else reply.text)
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-    except ValueError as err:  # a value protobuf cannot hold (a negative max_tokens)
+        return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    except ValueError as err:  # a value the request cannot hold (a negative max_tokens)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if c is not None:
+            c.close()
     return 0
 
 
@@ -247,7 +304,8 @@ def _run_ray(args, request):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cactus", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command")
+    # a command is required: `cactus` alone prints the usage and exits 2 (argparse's error)
+    sub = p.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _client_parser(sub)
     return p
@@ -260,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return generate(args)
     if args.command == "client":
         return client(args)
-    parser.print_help()
-    return 0
+    parser.error(f"unknown command {args.command!r}")  # exits 2; argparse refuses it first
 
 
 if __name__ == "__main__":

@@ -5,16 +5,23 @@ Both retry UNAVAILABLE (an engine restarting, a replica starting) and
 RESOURCE_EXHAUSTED (a full queue) with bounded exponential backoff and full jitter,
 within the call's deadline, and only before the first response: a stream that has
 delivered a token is never retried (the server resumes streams itself; a client retry
-would repeat tokens). Everything else is raised at once.
+would repeat tokens). Everything else is raised at once. A retry starts only with at least
+MIN_RETRY_LEFT_S of the deadline left, so a call that runs out raises the error it had.
+
+A value a request cannot hold (a wrong type, a negative count, a NaN) and a bad
+`timeout` are a ValueError that starts with the field's name, raised before any call
+(by `stream` too, at the call, not at its first iteration); the server checks the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import random
 import time
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +31,86 @@ from protos.cactus.v1 import cactus_pb2 as pb
 from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# A retry is started only with at least this much of the call's deadline left after its
+# pause: one with less would most likely end DEADLINE_EXCEEDED, hiding the error that
+# made it retry (UNAVAILABLE, RESOURCE_EXHAUSTED), which the call raises instead.
+MIN_RETRY_LEFT_S = 0.1
+
+# the largest values the proto's integer fields hold
+_UINT32_MAX = (1 << 32) - 1
+_UINT64_MAX = (1 << 64) - 1
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _is_int(value) -> bool:
+    """An integer (int, numpy's), not a bool (True is no token count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _finite(value) -> float | None:
+    """`value` as a finite float, or None where it is none (not a real number, a bool,
+    NaN, an infinity, an int too large for a float)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _int_field(name: str, value, lo: int, hi: int, wanted: str) -> int | None:
+    """`value` as an int in [lo, hi] (None stays None: unset), or ValueError naming the
+    field (`wanted` says what it takes: "an integer >= 0")."""
+    if value is None:
+        return None
+    if not _is_int(value) or value < lo:
+        got = f"{value!r}" if _is_int(value) else f"{value!r} ({type(value).__name__})"
+        raise ValueError(f"{name}: must be {wanted}, got {got}")
+    if value > hi:
+        raise ValueError(f"{name}: must be at most {hi}, got {value}")
+    return int(value)
+
+
+def _float_field(name: str, value) -> float:
+    """`value` as a finite float, or ValueError naming the field. Its range (temperature
+    in [0, 2], ...) is the server's to check: it answers INVALID_ARGUMENT naming it."""
+    number = _finite(value)
+    if number is None:
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    return number
+
+
+def _str_field(name: str, value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: must be a str, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _token_ids(name: str, value) -> list[int]:
+    """A sequence of token ids (list, tuple, range, numpy array) as a list of ints, or
+    ValueError naming the field: never a str or bytes, whose items are no token ids."""
+    wanted = f"{name}: must be a str or a sequence of int token ids"
+    if name == "stop_token_ids":
+        wanted = f"{name}: must be an int token id or a sequence of them"
+    if isinstance(value, str | bytes | bytearray | memoryview | Mapping | Set) or not isinstance(
+        value, Iterable
+    ):
+        raise ValueError(f"{wanted}, got {type(value).__name__}")
+    ids = list(value)
+    for i, tid in enumerate(ids):
+        if not _is_int(tid) or not _INT64[0] <= tid <= _INT64[1]:
+            raise ValueError(f"{wanted}; item {i} is {tid!r} ({type(tid).__name__})")
+    return [int(tid) for tid in ids]
+
+
+def _timeout(value) -> float:
+    """A deadline in seconds: a finite number > 0, or ValueError naming `timeout`."""
+    seconds = _finite(value)
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"timeout: must be a finite number of seconds > 0, got {value!r}")
+    return seconds
 
 
 def _too_large(err: grpc.RpcError) -> bool:
@@ -43,6 +130,29 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
     multiplier: float = 2.0
     codes: tuple = RETRYABLE
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_attempts) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts: must be an integer >= 1, got {self.max_attempts!r}")
+        for name in ("initial_backoff_s", "max_backoff_s"):
+            value = getattr(self, name)
+            if _finite(value) is None or value < 0:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        if self.initial_backoff_s > self.max_backoff_s:
+            raise ValueError(
+                f"initial_backoff_s: must be <= max_backoff_s ({self.max_backoff_s}), "
+                f"got {self.initial_backoff_s}"
+            )
+        if _finite(self.multiplier) is None or self.multiplier <= 0:
+            raise ValueError(f"multiplier: must be a finite number > 0, got {self.multiplier!r}")
+        codes = self.codes
+        if isinstance(codes, str | bytes | grpc.StatusCode) or not isinstance(codes, Iterable):
+            raise ValueError(f"codes: must be a tuple of grpc.StatusCode, got {codes!r}")
+        codes = tuple(codes)  # a list would leave the frozen policy unhashable
+        for code in codes:
+            if not isinstance(code, grpc.StatusCode):
+                raise ValueError(f"codes: must be a tuple of grpc.StatusCode, got {code!r} in it")
+        object.__setattr__(self, "codes", codes)
 
     def backoff(self, retry: int, rng: random.Random) -> float:
         """Full jitter: uniform in [0, min(max, initial * multiplier ** retry)]."""
@@ -83,7 +193,12 @@ class _Attempts:
         if _too_large(err):  # RESOURCE_EXHAUSTED that a retry cannot cure
             return None
         pause = self.policy.backoff(self.made - 1, self.rng)
-        return pause if time.monotonic() + pause < self.deadline else None
+        return pause if time.monotonic() + pause + MIN_RETRY_LEFT_S <= self.deadline else None
+
+    def time_for_another(self) -> bool:
+        """Whether enough of the deadline is left to start the next attempt, checked
+        again after the pause (a sleep may overrun)."""
+        return self.deadline - time.monotonic() >= MIN_RETRY_LEFT_S
 
 
 async def _read(call):
@@ -122,14 +237,19 @@ class _Client:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+        self.timeout = _timeout(timeout)  # before the channel: nothing left to close
         self.channel = self._channel(address, options=options)
         self.stub = pb_grpc.CactusStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.timeout = timeout
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.retry = retry or RetryPolicy()
         self._rng = random.Random()
         self.last_attempts = 0  # attempts the last call made (tests, logs)
+        self.last_call = None  # the latest stream's call (to cancel it); None before one
+
+    def _deadline_s(self, timeout: float | None) -> float:
+        """A call's deadline: its own `timeout`, or the client's where it is None."""
+        return self.timeout if timeout is None else _timeout(timeout)
 
 
 class CactusClient(_Client):
@@ -164,49 +284,89 @@ class CactusClient(_Client):
         """The GenerateRequest of these parameters. A None leaves its field unset (absent
         from the message, or proto3's default where the field is not `optional`: top_k 0,
         rule "", no stops, request_id "", time_limit_s 0), which the server reads as its
-        default."""
-        for name, value in (
-            ("max_tokens", max_tokens),
-            ("num_speculative_tokens", num_speculative_tokens),
-        ):
-            if value == 0:  # before 2026-12-05 the client's "unset"; now None is
+        default.
+
+        A value the message cannot hold (a wrong type, a negative count, an integer past
+        its field's width, a NaN or infinite float, a bytes prompt) is a ValueError that
+        starts with the field's name, raised before any call; the server checks the rest
+        (ranges, the context) and answers INVALID_ARGUMENT naming the field."""
+        ids = None if isinstance(prompt, str) else _token_ids("prompt", prompt)
+        counts = "an integer >= 1 (or None: the server's default)"
+        ints = {
+            "max_tokens": _int_field("max_tokens", max_tokens, 0, _UINT32_MAX, counts),
+            "num_speculative_tokens": _int_field(
+                "num_speculative_tokens", num_speculative_tokens, 0, _UINT32_MAX, counts
+            ),
+            "seed": _int_field("seed", seed, 0, _UINT64_MAX, "an integer >= 0"),
+            "logprobs": _int_field("logprobs", logprobs, 0, _UINT32_MAX, "an integer >= 0"),
+            "top_k": _int_field("top_k", top_k, *_INT32, "an integer (0 or -1: off)"),
+        }
+        ints = {name: value for name, value in ints.items() if value is not None}
+        floats = {
+            name: _float_field(name, value)
+            for name, value in (
+                ("temperature", temperature),
+                ("top_p", top_p),
+                ("delta", delta),
+                ("max_divergence_nats", max_divergence_nats),
+                ("time_limit_s", time_limit_s),
+            )
+            if value is not None
+        }
+        # one stop string or id, as OpenAI clients accept (a str is not a list of chars)
+        if stop is None or isinstance(stop, str):
+            stops = [] if stop is None else [stop]
+        elif isinstance(stop, bytes | bytearray | Mapping) or not isinstance(stop, Iterable):
+            raise ValueError(f"stop: must be a str or a sequence of str, got {stop!r}")
+        else:
+            stops = list(stop)
+            for i, one in enumerate(stops):
+                if not isinstance(one, str):
+                    raise ValueError(
+                        f"stop: must be a str or a sequence of str; item {i} is {one!r} "
+                        f"({type(one).__name__})"
+                    )
+        if stop_token_ids is None:
+            stop_ids = []
+        elif _is_int(stop_token_ids):
+            stop_ids = _token_ids("stop_token_ids", [stop_token_ids])
+        else:
+            stop_ids = _token_ids("stop_token_ids", stop_token_ids)
+        rule = "" if rule is None else _str_field("rule", rule)
+        request_id = "" if request_id is None else _str_field("request_id", request_id)
+
+        for name in ("max_tokens", "num_speculative_tokens"):
+            if ints.get(name) == 0:  # before 2026-12-05 the client's "unset"; now None is
                 warnings.warn(
                     f"{name}=0 means unset in this client (the server's default); pass None. "
                     "A 0 sent in a raw message is INVALID_ARGUMENT",
                     FutureWarning,
                     stacklevel=3,
                 )
-        max_tokens = max_tokens or None
-        num_speculative_tokens = num_speculative_tokens or None
-        msg = pb.GenerateRequest(request_id=request_id or "", time_limit_s=time_limit_s or 0.0)
-        if isinstance(prompt, str):
+                del ints[name]
+        limit_s = floats.get("time_limit_s", 0.0)
+        msg = pb.GenerateRequest(request_id=request_id, time_limit_s=limit_s)
+        if ids is None:
             msg.prompt = prompt
         else:
-            msg.prompt_token_ids.ids.extend(prompt)
+            msg.prompt_token_ids.ids.extend(ids)
         s = msg.sampling
-        s.top_k = top_k or 0
-        # one stop string or id, as OpenAI clients accept (a str is not a list of chars)
-        s.stop.extend([stop] if isinstance(stop, str) else stop or ())
-        s.stop_token_ids.extend(
-            [stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids or ()
-        )
-        for name, value in (
-            ("max_tokens", max_tokens),
-            ("temperature", temperature),
-            ("top_p", top_p),
-            ("seed", seed),
-            ("logprobs", logprobs),
-        ):
-            if value is not None:
-                setattr(s, name, value)
+        s.top_k = ints.get("top_k", 0)
+        s.stop.extend(stops)
+        s.stop_token_ids.extend(stop_ids)
+        for name in ("max_tokens", "seed", "logprobs"):
+            if name in ints:
+                setattr(s, name, ints[name])
+        for name in ("temperature", "top_p"):
+            if name in floats:
+                setattr(s, name, floats[name])
         sp = msg.speculation
-        sp.rule = rule or ""
-        if num_speculative_tokens is not None:
-            sp.num_speculative_tokens = num_speculative_tokens
-        if delta is not None:
-            sp.delta = delta
-        if max_divergence_nats is not None:
-            sp.max_divergence_nats = max_divergence_nats
+        sp.rule = rule
+        if "num_speculative_tokens" in ints:
+            sp.num_speculative_tokens = ints["num_speculative_tokens"]
+        for name in ("delta", "max_divergence_nats"):
+            if name in floats:
+                setattr(sp, name, floats[name])
         return msg
 
     def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
@@ -216,7 +376,7 @@ class CactusClient(_Client):
 
     def _unary(self, method, message, timeout: float | None):
         """One retried unary call; `message(attempts)` builds each attempt's request."""
-        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        attempts = _Attempts(self.retry, self._deadline_s(timeout), self._rng)
         while True:
             try:
                 reply = method(message(attempts), timeout=attempts.left_s(), metadata=self.metadata)
@@ -228,6 +388,8 @@ class CactusClient(_Client):
                 if pause is None:
                     raise
                 time.sleep(pause)
+                if not attempts.time_for_another():  # the pause overran
+                    raise
 
     def stream(
         self, prompt, *, timeout: float | None = None, **kw
@@ -235,10 +397,16 @@ class CactusClient(_Client):
         """Iterate response chunks; the current call is kept on `last_call` (to cancel
         it). Retried only until the first chunk arrives. Leaving the loop early (break,
         an exception, closing the iterator) cancels the call, as the asyncio client's
-        does: the server stops the request within one engine step."""
+        does: the server stops the request within one engine step.
+
+        The request is checked here, so a bad value raises ValueError at this call; the
+        call itself (and its deadline) starts at the first iteration."""
         msg = self.request(prompt, **kw)
+        return self._stream(msg, self._deadline_s(timeout))
+
+    def _stream(self, msg: pb.GenerateRequest, timeout: float) -> Iterator[pb.GenerateResponse]:
         own = msg.time_limit_s
-        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        attempts = _Attempts(self.retry, timeout, self._rng)
         while True:
             call = self.stub.GenerateStream(
                 attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
@@ -255,6 +423,8 @@ class CactusClient(_Client):
                     if pause is None:
                         raise
                     time.sleep(pause)
+                    if not attempts.time_for_another():  # the pause overran
+                        raise
                     continue
                 self.last_attempts = attempts.made + 1
                 yield first
@@ -299,7 +469,7 @@ class AsyncCactusClient(_Client):
 
     async def _unary(self, method, message, timeout: float | None):
         """One retried unary call; `message(attempts)` builds each attempt's request."""
-        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        attempts = _Attempts(self.retry, self._deadline_s(timeout), self._rng)
         while True:
             try:
                 reply = await method(
@@ -313,15 +483,23 @@ class AsyncCactusClient(_Client):
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
+                if not attempts.time_for_another():  # the pause overran
+                    raise
 
-    async def stream(
+    def stream(
         self, prompt, *, timeout: float | None = None, **kw
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Async-iterate response chunks; retried only until the first chunk arrives.
-        Leaving the loop early (break, cancellation) cancels the call."""
+        """Async-iterate response chunks (`async for`; not awaited); retried only until
+        the first chunk arrives. Leaving the loop early (break, cancellation) cancels the
+        call. As in the blocking client, a bad value raises ValueError at this call."""
         msg = self.request(prompt, **kw)
+        return self._stream(msg, self._deadline_s(timeout))
+
+    async def _stream(
+        self, msg: pb.GenerateRequest, timeout: float
+    ) -> AsyncIterator[pb.GenerateResponse]:
         own = msg.time_limit_s
-        attempts = _Attempts(self.retry, timeout or self.timeout, self._rng)
+        attempts = _Attempts(self.retry, timeout, self._rng)
         while True:
             call = self.stub.GenerateStream(
                 attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
@@ -336,6 +514,8 @@ class AsyncCactusClient(_Client):
                     if pause is None:
                         raise
                     await asyncio.sleep(pause)
+                    if not attempts.time_for_another():  # the pause overran
+                        raise
                     continue
                 if first is grpc.aio.EOF:
                     return

@@ -3,6 +3,7 @@ against a stand-in gRPC server that records what it receives."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from concurrent import futures
 
@@ -10,9 +11,10 @@ import grpc
 import pytest
 
 from client import CactusClient
-from client.cli import build_parser, client_kwargs, main
+from client.cli import build_parser, client_kwargs, main, result_json
 from protos.cactus.v1 import cactus_pb2 as pb
 from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
+from workers.request import GenerationResult, SpecStats
 
 
 def test_generate_prints_one_json_result(capsys):
@@ -44,19 +46,84 @@ def test_the_quickstart_generate_command_and_its_stream(capsys):
     assert capsys.readouterr().out == text + "\n"
 
 
+# what the stand-in server answers: the engine's result, as the server sends it
+RESULT = GenerationResult(
+    request_id="r-1",
+    text="ok",
+    token_ids=(1, 2),
+    finish_reason="LENGTH",
+    prompt_tokens=3,
+    seed=(1 << 63) + 5,  # past int64: MessageToDict wrote it as a string
+    stats=SpecStats(
+        num_drafts=1,
+        num_draft_tokens=4,
+        num_accepted_tokens=1,
+        accepted_per_position=[1, 0, 0, 0],
+        divergence_nats=0.25,
+    ),
+)
+
+
+def result_pb(result) -> pb.GenerateResponse:
+    """The reply the server makes of an engine result (deployments/ingress.py's
+    result_pb, without importing Ray Serve here)."""
+    st = result.stats
+    return pb.GenerateResponse(
+        request_id=result.request_id,
+        text=result.text,
+        token_ids=list(result.token_ids),
+        finish_reason=result.finish_reason,
+        usage=pb.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids)),
+        seed=result.seed,
+        stats=pb.SpeculationStats(
+            num_drafts=st.num_drafts,
+            num_draft_tokens=st.num_draft_tokens,
+            num_accepted_tokens=st.num_accepted_tokens,
+            accepted_per_position=list(st.accepted_per_position),
+            mean_acceptance_length=st.mean_acceptance_length,
+            divergence_nats=st.divergence_nats,
+            acceptance_rate=st.acceptance_rate,
+            draft_failures=st.draft_failures,
+            resumed=st.resumed,
+            degraded=st.degraded,
+        ),
+    )
+
+
+# the prompts the stand-in refuses, with the status it answers
+REFUSED = {
+    "invalid": (grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: 5000 does not fit"),
+    "denied": (grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token"),
+}
+
+
 class Recorder(pb_grpc.CactusServicer):
-    """Answers every request, keeping each as received."""
+    """Answers every request with RESULT (streamed in two chunks, as the server splits
+    it: the last carries finish_reason, usage, seed and stats), keeping each as received;
+    refuses the prompts in REFUSED."""
 
     def __init__(self) -> None:
         self.received: list[pb.GenerateRequest] = []
 
-    def Generate(self, request, context):
+    def _refuse(self, request, context) -> None:
         self.received.append(request)
-        return pb.GenerateResponse(request_id="r", text="ok", token_ids=[1])
+        if request.prompt in REFUSED:
+            context.abort(*REFUSED[request.prompt])
+
+    def Generate(self, request, context):
+        self._refuse(request, context)
+        return result_pb(RESULT)
 
     def GenerateStream(self, request, context):
-        self.received.append(request)
-        yield pb.GenerateResponse(request_id="r", text="ok", token_ids=[1], finish_reason="EOS")
+        self._refuse(request, context)
+        full = result_pb(RESULT)
+        yield pb.GenerateResponse(request_id=full.request_id, text="o", token_ids=[1])
+        last = pb.GenerateResponse(request_id=full.request_id, text="k", token_ids=[2])
+        last.finish_reason = full.finish_reason
+        last.usage.CopyFrom(full.usage)
+        last.seed = full.seed
+        last.stats.CopyFrom(full.stats)
+        yield last
 
 
 @pytest.fixture()
@@ -142,3 +209,68 @@ def test_generate_names_a_model_folder_that_is_not_there(tmp_path, capsys):
     missing = tmp_path / "nope"
     assert main(["generate", "--prompt", "x", "--verifier", str(missing)]) == 2
     assert f"--verifier: no such folder: {missing}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_json_is_the_dict_generate_json_prints(recorder, capsys, stream):
+    """`cactus client --json` prints the dict `cactus generate --json` prints
+    (result_json: snake_case, ints as ints, defaults kept), less the stats the gRPC API
+    does not carry; with --stream, after the text, with text and token ids gathered over
+    every chunk (it printed the last chunk alone, as protobuf's MessageToDict)."""
+    _, address = recorder
+    argv = ["client", "--address", address, "--prompt", "x", "--json", *(["--stream"] * stream)]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:-1] == (["ok"] if stream else [])
+    out = json.loads(lines[-1])
+    want = result_json(RESULT)
+    for name in ("divergence_capped", "draft_s", "verify_s", "kernel_s"):  # not in the API
+        del want["stats"][name]
+    assert out == want
+    assert out["seed"] == (1 << 63) + 5 and out["token_ids"] == [1, 2] and out["text"] == "ok"
+
+
+def test_client_exit_status_invalid_argument_is_2_other_errors_1(recorder, capsys):
+    """A field the server refuses (INVALID_ARGUMENT) exits 2, as a bad field does in
+    `cactus generate` and in the client's own checks; any other error exits 1."""
+    _, address = recorder
+    for stream in ([], ["--stream"]):
+        base = ["client", "--address", address, *stream, "--prompt"]
+        assert main([*base, "invalid"]) == 2
+        assert "error: INVALID_ARGUMENT: max_tokens:" in capsys.readouterr().err
+        assert main([*base, "denied"]) == 1
+        assert "error: UNAUTHENTICATED:" in capsys.readouterr().err
+        # refused before any call: a --timeout that is no deadline
+        assert main([*base, "x", "--timeout", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: timeout: ") and "Traceback" not in err, err
+
+
+def test_client_closes_its_channel_whatever_the_outcome(recorder, monkeypatch, capsys):
+    _, address = recorder
+    closed = []
+    monkeypatch.setattr(CactusClient, "close", lambda self: closed.append(self))
+    base = ["client", "--address", address, "--prompt"]
+    assert main([*base, "x"]) == 0
+    assert main([*base, "x", "--stream"]) == 0
+    assert main([*base, "denied"]) == 1
+    assert main([*base, "x", "--seed", "-1"]) == 2  # refused by the client's own check
+    assert len(closed) == 4 and len(set(map(id, closed))) == 4
+
+
+def test_client_flags_say_what_they_do():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {opt: a.help for a in sub.choices["client"]._actions for opt in a.option_strings}
+    for flag in ("--stream", "--json", "--timeout", "--token"):
+        assert flags[flag], flag
+    assert "CACTUS_AUTH_TOKEN" in flags["--token"]  # its default, when exported
+
+
+def test_cactus_without_a_command_exits_2_with_its_usage(capsys):
+    """argparse's convention for a missing argument: the usage and an error on stderr,
+    exit status 2 (it printed the help and exited 0)."""
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: cactus") and "generate" in err and "client" in err
