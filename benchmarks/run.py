@@ -21,9 +21,11 @@ well under a minute.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -94,7 +96,7 @@ def micro(mode: str, stem: Path) -> tuple[str, list[str]]:
     progress = Progress("micro", len(commands))
     for cmd in commands:
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+        proc = _run(cmd)
         took = time.monotonic() - t0
         table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
         shown = ["python", *[str(Path(c).name) if c.endswith(".png") else c for c in cmd[1:]]]
@@ -143,12 +145,45 @@ def load_phase(mode: str):
     return [summary(r) for r in results]
 
 
+# Each sub-benchmark's time limit: bench_policy's full run takes about 65 minutes here
+PHASE_LIMIT_S = 2 * 3600
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run one sub-benchmark in its own process group. Past PHASE_LIMIT_S the group (the
+    benchmark and any server it started) gets SIGTERM, which drains and stops a server,
+    then SIGKILL; the result says so (exit code "timed out") instead of raising, so the
+    report of the phases that ran is still written."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=PHASE_LIMIT_S)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        for sig, wait_s in ((signal.SIGTERM, 120), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                out, err = proc.communicate(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        err = f"{err}\ntimed out after {PHASE_LIMIT_S} s"
+        return subprocess.CompletedProcess(cmd, "timed out", out, err)
+
+
 def policy_phase(mode: str, stem: Path) -> tuple[str, list[str]]:
     """The policy benchmark as `make bench-policy` runs it (--quick in quick mode)."""
     plot = stem.with_name(stem.name + "-policy.png")
     quick = ["--quick"] if mode != "full" else []
     cmd = [sys.executable, "-m", "benchmarks.bench_policy", *quick, "--plot", str(plot)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    proc = _run(cmd)
     table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
     if not table:
         tail = proc.stderr.strip().splitlines()[-1:]
@@ -160,7 +195,7 @@ def policy_phase(mode: str, stem: Path) -> tuple[str, list[str]]:
 def chaos_phase(mode: str) -> str:
     """The chaos benchmark as `make bench-chaos` runs it (--quick in quick mode)."""
     cmd = [sys.executable, "-m", "benchmarks.bench_chaos", *(["--quick"] if mode != "full" else [])]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    proc = _run(cmd)
     table = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#"))]
     if not table:
         tail = proc.stderr.strip().splitlines()[-1:]

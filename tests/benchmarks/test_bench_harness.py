@@ -403,3 +403,34 @@ def test_the_chaos_bench_tells_a_stopped_process_from_an_ended_one():
     assert "| hang-draft | 20.0 | 18.0 | False | True |" in text
     assert "| rank0 | 1.0 | 7.0 | yes (restart) |  |" in text
     assert "stopped processes left at the end: 0" in text
+
+
+def test_a_sub_benchmark_past_its_limit_is_stopped_with_what_it_started(monkeypatch):
+    """`make bench` runs each sub-benchmark with a time limit (bench_policy alone takes
+    about 65 minutes): one that passes it is reported as timed out, with the processes it
+    started (a server) stopped, instead of an exception that loses the whole report."""
+    import os
+    import time
+
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "PHASE_LIMIT_S", 2)
+    child = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print('| started', p.pid, flush=True); time.sleep(120)"
+    )
+    t0 = time.monotonic()
+    proc = run._run([sys.executable, "-c", child])
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode == "timed out" and "timed out after 2 s" in proc.stderr
+    grandchild = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the sub-benchmark's own child {grandchild} outlived it")
