@@ -383,11 +383,38 @@ BAD = [
 ]
 
 
+def _sent(client) -> dict:
+    """A raw stub call's metadata and deadline."""
+    return {"metadata": client.metadata, "timeout": 30}
+
+
+def _raw_request(client, prompt, kw: dict):
+    """The message of `kw` with the values the Python client refuses before any call
+    (NaN, infinities) set in it directly: what another gRPC client may send."""
+    finite = {k: v for k, v in kw.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    msg = client.request(prompt, **finite)
+    for name, value in kw.items():
+        if name not in finite:
+            part = msg.sampling if name in ("temperature", "top_p") else msg.speculation
+            setattr(part if name != "time_limit_s" else msg, name, value)
+    return msg
+
+
 def test_validation_table_then_a_good_request(server):
     client = server.client()
     for field, kw in BAD:
         prompt = kw.pop("prompt", "def f(x):")
-        for call in (client.generate, lambda *a, **k: list(client.stream(*a, **k))):
+        calls = (client.generate, lambda *a, **k: list(client.stream(*a, **k)))
+        if any(isinstance(v, float) and not math.isfinite(v) for v in kw.values()):
+            for call in calls:  # the Python client refuses it, naming the field
+                with pytest.raises(ValueError, match=f"^{field}: "):
+                    call(prompt, **kw)
+            msg = _raw_request(client, prompt, kw)  # the server, sent it all the same
+            calls = (
+                lambda *_, m=msg, **__: client.stub.Generate(m, **_sent(client)),
+                lambda *_, m=msg, **__: list(client.stub.GenerateStream(m, **_sent(client))),
+            )
+        for call in calls:
             with pytest.raises(grpc.RpcError) as err:
                 call(prompt, **kw)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value)
