@@ -96,7 +96,7 @@ serve: setup
 # Stops the server on GRPC_PORT (one pid file per gRPC port): SIGINT, which drains, then
 # a bounded wait. A server still there after STOP_TIMEOUT seconds (default: the config's
 # recovery.drain_timeout_s + 60, room for Serve's backstop and Ray's own shutdown; read
-# after the SIGINT is sent, so that the drain starts at once) is
+# after the SIGINT is sent, so that the drain does not wait for it) is
 # SIGKILLed, as Kubernetes ends a pod after its grace period (the Ray head it started
 # shares its fate), and make stop fails saying so. A pid file whose pid is not a
 # `deployments.serve` process (left by a server that was SIGKILLed or a reboot; the pid
@@ -130,7 +130,8 @@ models: setup
 # finds it by.
 clean:
 	@for f in $(CACHE)/serve-*.pid; do [ -f "$$f" ] || continue; p=$$(cat "$$f"); \
-	  if [ -n "$$p" ] && kill -0 $$p 2>/dev/null && tr '\0' ' ' < /proc/$$p/cmdline 2>/dev/null | grep -q 'deployments[.]serve'; then \
+	  args=$$(tr '\0' ' ' < /proc/$$p/cmdline 2>/dev/null || ps -ww -o args= -p $$p 2>/dev/null); \
+	  if [ -n "$$p" ] && kill -0 $$p 2>/dev/null && echo "$$args" | grep -q 'deployments[.]serve'; then \
 	    port=$${f##*/serve-}; port=$${port%.pid}; \
 	    echo "a server is running on port $$port (pid $$p): make stop PORT=$$port first" >&2; exit 1; fi; done
 	rm -rf $(VENV) $(CACHE) .pytest_cache

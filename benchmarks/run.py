@@ -166,16 +166,27 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
         out, err = proc.communicate(timeout=PHASE_LIMIT_S)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
-        for sig, wait_s in ((signal.SIGTERM, 120), (signal.SIGKILL, None)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                out, err = proc.communicate(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        out, err = _stop_group(proc)
+        note = f"# (timed out after {PHASE_LIMIT_S} s: what it printed above is partial)"
         err = f"{err}\ntimed out after {PHASE_LIMIT_S} s"
-        return subprocess.CompletedProcess(cmd, "timed out", out, err)
+        return subprocess.CompletedProcess(cmd, "timed out", f"{out}\n{note}\n", err)
+    except BaseException:  # Ctrl-C or SIGTERM on make bench: its own group goes too
+        _stop_group(proc)
+        raise
+
+
+def _stop_group(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM the process group (a server drains and stops), SIGKILL it after 120 s."""
+    out = err = ""
+    for sig, wait_s in ((signal.SIGTERM, 120), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            out, err = proc.communicate(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    return out or "", err or ""
 
 
 def policy_phase(mode: str, stem: Path) -> tuple[str, list[str]]:

@@ -424,12 +424,19 @@ def test_a_sub_benchmark_past_its_limit_is_stopped_with_what_it_started(monkeypa
     proc = run._run([sys.executable, "-c", child])
     assert time.monotonic() - t0 < 60
     assert proc.returncode == "timed out" and "timed out after 2 s" in proc.stderr
-    grandchild = int(proc.stdout.split()[-1])
+    assert "| started" in proc.stdout  # what it printed, then the report's note
+    assert proc.stdout.splitlines()[-1].startswith("# (timed out after 2 s")
+    (started,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| started")]
+    grandchild = int(started.split()[-1])
     deadline = time.monotonic() + 10
+    stat = Path(f"/proc/{grandchild}/stat")
     while time.monotonic() < deadline:
         try:
             os.kill(grandchild, 0)
-        except ProcessLookupError:
+            # a zombie (ended, not yet reaped by whoever adopted it) counts as gone
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (ProcessLookupError, FileNotFoundError):
             break
         time.sleep(0.05)
     else:

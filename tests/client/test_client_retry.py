@@ -236,13 +236,17 @@ def test_every_attempt_carries_what_is_left_of_the_deadline_as_its_time_limit(fl
     assert 6.0 < servicer.limits[0] <= 7.0 and servicer.limits[1] == 3.0
 
 
-def test_retries_stop_at_the_calls_deadline(flaky):
+def test_retries_stop_at_the_calls_deadline(flaky, monkeypatch):
     """README: the retries stay inside the call's deadline. Against a server that always
     answers UNAVAILABLE, a policy that would otherwise retry for minutes (a million
     attempts, backoff up to 0.2 s) ends a 1.5 s call at its deadline, after a bounded
     number of attempts: unary and streaming, in both clients. It raises the server's
     UNAVAILABLE, not DEADLINE_EXCEEDED: no retry starts with less than MIN_RETRY_LEFT_S
-    of the deadline left, which a local server answers well within."""
+    of the deadline left, which a local server answers well within (here raised to
+    0.4 s, so that a loaded machine's stall cannot blur it)."""
+    import client.client as client_module
+
+    monkeypatch.setattr(client_module, "MIN_RETRY_LEFT_S", 0.4)
     servicer, address = flaky
     servicer.failures = 10**9
     patient = RetryPolicy(max_attempts=10**6, initial_backoff_s=0.05, max_backoff_s=0.2)
@@ -290,9 +294,9 @@ def test_retries_stop_at_the_calls_deadline(flaky):
         assert code == grpc.StatusCode.UNAVAILABLE, name
         # it retried (the first pause is at most 0.05 s) and gave up at the deadline: a
         # retry is dropped only when its pause (<= 0.2 s) would leave less than
-        # MIN_RETRY_LEFT_S (0.1 s) of it
+        # MIN_RETRY_LEFT_S (0.4 s here) of it
         assert 2 <= servicer.calls < 200 and 2 <= attempts < 200, (name, servicer.calls)
-        assert timeout - 0.5 < elapsed < timeout + 3.5, (name, elapsed)
+        assert timeout - 0.8 < elapsed < timeout + 3.5, (name, elapsed)
 
 
 def test_no_retry_makes_one_attempt_in_the_asyncio_client(flaky):

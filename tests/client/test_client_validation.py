@@ -240,7 +240,8 @@ def test_retry_policy_refuses_a_bad_field_naming_it(field, kw):
 def test_retry_policy_takes_its_documented_values():
     assert RetryPolicy(max_attempts=1) == RetryPolicy(max_attempts=1, codes=RetryPolicy().codes)
     policy = RetryPolicy(initial_backoff_s=0, max_backoff_s=0, codes=[grpc.StatusCode.ABORTED])
-    assert policy.codes == (grpc.StatusCode.ABORTED,) and hash(policy)  # a list is kept a tuple
+    assert policy.codes == (grpc.StatusCode.ABORTED,)  # a list is kept a tuple,
+    hash(policy)  # so the frozen policy stays hashable (a list in it raised TypeError)
     assert RetryPolicy(codes=()).codes == ()
 
 
