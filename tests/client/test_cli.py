@@ -12,6 +12,7 @@ import pytest
 
 from client import CactusClient
 from client.cli import build_parser, client_kwargs, main, result_json
+from deployments.ingress import result_pb  # the server's own reply of a result
 from protos.cactus.v1 import cactus_pb2 as pb
 from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
 from workers.request import GenerationResult, SpecStats
@@ -62,32 +63,6 @@ RESULT = GenerationResult(
         divergence_nats=0.25,
     ),
 )
-
-
-def result_pb(result) -> pb.GenerateResponse:
-    """The reply the server makes of an engine result (deployments/ingress.py's
-    result_pb, without importing Ray Serve here)."""
-    st = result.stats
-    return pb.GenerateResponse(
-        request_id=result.request_id,
-        text=result.text,
-        token_ids=list(result.token_ids),
-        finish_reason=result.finish_reason,
-        usage=pb.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids)),
-        seed=result.seed,
-        stats=pb.SpeculationStats(
-            num_drafts=st.num_drafts,
-            num_draft_tokens=st.num_draft_tokens,
-            num_accepted_tokens=st.num_accepted_tokens,
-            accepted_per_position=list(st.accepted_per_position),
-            mean_acceptance_length=st.mean_acceptance_length,
-            divergence_nats=st.divergence_nats,
-            acceptance_rate=st.acceptance_rate,
-            draft_failures=st.draft_failures,
-            resumed=st.resumed,
-            degraded=st.degraded,
-        ),
-    )
 
 
 # the prompts the stand-in refuses, with the status it answers
