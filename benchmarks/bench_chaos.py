@@ -15,12 +15,13 @@ A poller asks grpc.health.v1 Check for the `cactus.v1.Cactus` service (does the 
 take requests; the server's "" also says NOT_SERVING while a draft actor is replaced)
 every 100 ms. Reported:
   - requests total / OK / resumed / degraded / failed by status code
-  - tokens lost and duplicated: every greedy stream against its uninterrupted output
-    (the verifier's greedy decoding, in this process), every sampled stream's chunks
-    against its own final result
+  - tokens lost and duplicated: every greedy stream token by token against its
+    uninterrupted output (the verifier's greedy decoding, in this process); every
+    sampled stream by count only, its streamed tokens against its final result's
+    usage.completion_tokens (a resumed sampled stream has no reference to compare with)
   - per kill: time to SERVING again (rank kills) or until the new draft actor drafts
-    again (draft kills), and whether the service's health left SERVING (it must not
-    for the draft)
+    again (draft kills), "not recovered" past 120 s, and whether the service's health
+    left SERVING (measured for every fault: it must not for the draft)
   - the longest health Check
 """
 
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.load import ServerProcess
+from benchmarks.load import ServerProcess, exit_on_sigterm
 from client import CactusClient
 from workers.processes import is_running
 
@@ -211,19 +212,17 @@ class Chaos:
             kill(role)
         record = {"role": fault, "at_s": round(start - self.t0, 1)}
         deadline = start + 120
+        record["recovered_s"] = None  # unless it recovers within the deadline
         if role == "draft":  # health must stay SERVING; wait for drafting to resume
             while time.monotonic() < deadline:
                 try:
                     name, blocks = draft_blocks()
                     if name != before[0] and blocks > 0:
+                        record["recovered_s"] = round(time.monotonic() - start, 1)
                         break
                 except Exception:
                     pass
                 time.sleep(0.5)
-            record["recovered_s"] = round(time.monotonic() - start, 1)
-            with self.lock:
-                statuses = {s for at, s, _ in self.health if at >= start}
-            record["health_left_serving"] = statuses != {"SERVING"}
         else:
             time.sleep(1.0)
             while time.monotonic() < deadline:
@@ -232,8 +231,11 @@ class Chaos:
                     record["recovered_s"] = round(back - start, 1)
                     break
                 time.sleep(0.2)
-            else:
-                record["recovered_s"] = None
+        # measured for every fault: a rank's restart takes the service out of SERVING,
+        # a draft actor's replacement must not
+        with self.lock:
+            statuses = {s for at, s, _ in self.health if at >= start}
+        record["health_left_serving"] = statuses != {"SERVING"}
         if fault.startswith("hang-"):
             record["stopped_process_ended"] = not is_running(self.stopped[-1])
         return record
@@ -329,12 +331,16 @@ def markdown(r: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for k in r["kills"]:
-        left = k.get("health_left_serving", "yes (restart)")
+        left = k.get("health_left_serving", "-")  # "-": not measured
         ended = k.get("stopped_process_ended", "")
-        lines.append(f"| {k['role']} | {k['at_s']} | {k['recovered_s']} | {left} | {ended} |")
+        back = "not recovered" if k["recovered_s"] is None else k["recovered_s"]
+        lines.append(f"| {k['role']} | {k['at_s']} | {back} | {left} | {ended} |")
     lines.append(
         "\n# recovered after: draft = until the new draft actor drafts again; "
-        "rank = until health is SERVING again. hang-X: X's process SIGSTOPped (noticed "
+        "rank = until health is SERVING again. Tokens lost / duplicated: greedy streams "
+        "token by token against the uninterrupted output, sampled streams by count (the "
+        "streamed tokens against the result's completion_tokens). hang-X: X's process "
+        "SIGSTOPped (noticed "
         "after recovery.probe_timeout_s); stopped processes left at the end: "
         f"{r['stopped_processes_left']}"
     )
@@ -359,6 +365,7 @@ def main(argv=None) -> None:
     from cactus import environment
 
     environment.apply()  # as the server has it (auth off, loopback)
+    exit_on_sigterm()
     import torch
 
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.load import ServerProcess, speculation
+from benchmarks.load import ServerProcess, exit_on_sigterm, speculation
 from client import CactusClient
 
 PROMPTS = ["def parse(text):", "class Stack:", "def fibonacci(n):", "def merge(a, b):"]
@@ -32,6 +32,7 @@ def main(argv=None) -> None:
     from cactus import environment
 
     environment.apply()
+    exit_on_sigterm()
     import openai
 
     # policy fixed: the same seed must give the same text over both paths (under the

@@ -49,7 +49,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.load import ServerProcess, run_level, speculation
+from benchmarks.load import ServerProcess, exit_on_sigterm, run_level, speculation
 
 FIXED_KS = (0, 2, 4, 6, 8)
 RULES = ("cactus", "sps")
@@ -520,6 +520,7 @@ def main(argv=None) -> int:
     from cactus import environment
 
     environment.apply()
+    exit_on_sigterm()
     started = time.monotonic()
     rows = measure(args)
     print(table(rows, args))

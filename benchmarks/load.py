@@ -9,6 +9,8 @@ time to first token and inter-token latency (p50/p99), errors (must be 0).
 from __future__ import annotations
 
 import os
+import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +52,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit in a benchmark's main thread, so its `finally` blocks
+    stop the server (and the Ray head) it started: a benchmark killed by pid, or by
+    `benchmarks.run`'s group stop, leaves no server behind."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def speculation(**changes) -> dict:
     """The default config's speculation section with `changes` (ServerProcess's
     overrides replace whole top-level sections)."""
@@ -82,27 +95,39 @@ class ServerProcess:
         self.address = f"127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 300) -> None:
+        """Wait for the server's READY line. The output is read on a thread, so a server
+        that hangs before READY without printing anything still fails at the deadline
+        (the process is then stopped by `stop`, which the callers run in `finally`)."""
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(None)  # end of output: the server exited
+
+        threading.Thread(target=read, daemon=True).start()
         deadline = time.monotonic() + timeout_s
         seen: list[str] = []
-        for line in self.proc.stdout:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
             if line.startswith("READY"):
-                self.ready_line = line
-                threading.Thread(target=self._drain, daemon=True).start()
+                self.ready_line = line  # the reader thread keeps draining the pipe
                 return
             seen = [*seen[-29:], line]
-            if time.monotonic() > deadline:
-                break
-        raise RuntimeError("server did not start; its last output:\n" + "".join(seen))
+        raise RuntimeError(
+            f"server not READY within {timeout_s:.0f} s; its last output:\n" + "".join(seen)
+        )
 
     def ray_address(self) -> str:
         """The server's Ray head, from its READY line ("... (ray ADDRESS)")."""
         import re
 
         return re.search(r"ray (\S+)\)", self.ready_line).group(1)
-
-    def _drain(self) -> None:
-        for _ in self.proc.stdout:
-            pass
 
     def stop(self) -> None:
         self.proc.send_signal(2)
@@ -187,6 +212,8 @@ def run_load(
     *,
     max_tokens: int = 64,
     tp_size: int = 1,
+    warmup_s: float = 5.0,
+    settle_s: float = 2.0,
     progress=None,
 ) -> list[LoadResult]:
     server = ServerProcess(
@@ -198,12 +225,24 @@ def run_load(
     results = []
     try:
         server.wait_ready()
-        for rule in rules:  # warm-up
-            CactusClient(server.address, timeout=300).generate("x", max_tokens=4, rule=rule)
+        # Warm-up: each rule under load before the first measured level, so the 1-client
+        # cell (every ratio's denominator) does not carry the goodput policy's first
+        # steps (PolicyConfig.warmup_steps, k cycled before its cost fits are used) or
+        # the server's first requests; then every cell settles for `settle_s` at its own
+        # load before its window, as bench_policy's cells do.
+        for rule in rules:
+            run_level(server.address, rule, max(levels), warmup_s, max_tokens=max_tokens)
         for clients in levels:
             for rule in rules:  # interleaved: the same load level back to back
                 results.append(
-                    run_level(server.address, rule, clients, seconds, max_tokens=max_tokens)
+                    run_level(
+                        server.address,
+                        rule,
+                        clients,
+                        seconds,
+                        max_tokens=max_tokens,
+                        warmup_s=settle_s,
+                    )
                 )
                 if progress:
                     progress()

@@ -154,27 +154,37 @@ def verifier_nll(runner, prompt_ids: list[int], completion_ids: list[int]) -> fl
 def evaluate(
     engine, tasks: list[Task], methods: list[Method], *, max_tokens: int, progress=None
 ) -> list[MethodResult]:
-    results = []
+    """Every method on every task, side by side: after one unmeasured warm-up request per
+    method, the tasks run one after another, and each task's methods in an order that
+    rotates from task to task, so no method's speed is measured minutes apart from the
+    others' or always first after another one."""
     runner = engine.verifier.runner
-    for method in methods:
-        res = MethodResult(method)
-        for i, task in enumerate(tasks):
-            req = GenerationRequest(
-                prompt=task.prompt,
-                sampling=SamplingParams(
-                    max_tokens=max_tokens, temperature=0.6, top_k=20, top_p=0.95, seed=1000 + i
-                ),
-                speculation=SpeculationParams(
-                    rule=method.rule,
-                    delta=method.delta,
-                    num_speculative_tokens=4,
-                    tas_threshold=method.tas_threshold,
-                ),
-            )
+    results = [MethodResult(method) for method in methods]
+
+    def request(method: Method, prompt: str, seed: int, tokens: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(
+                max_tokens=tokens, temperature=0.6, top_k=20, top_p=0.95, seed=seed
+            ),
+            speculation=SpeculationParams(
+                rule=method.rule,
+                delta=method.delta,
+                num_speculative_tokens=4,
+                tas_threshold=method.tas_threshold,
+            ),
+        )
+
+    if tasks:
+        for method in methods:  # warm-up, not measured
+            engine.generate(request(method, tasks[0].prompt, 0, min(8, max_tokens)))
+    for i, task in enumerate(tasks):
+        prompt_ids = engine.tokenizer.encode(task.prompt, add_special_tokens=False)
+        for j in range(len(methods)):
+            res = results[(i + j) % len(methods)]
             start = time.perf_counter()
-            out = engine.generate(req)
+            out = engine.generate(request(res.method, task.prompt, 1000 + i, max_tokens))
             res.seconds += time.perf_counter() - start
-            prompt_ids = engine.tokenizer.encode(task.prompt, add_special_tokens=False)
             res.n += 1
             res.compiled += completes(task.prompt, out.text)
             res.tokens += len(out.token_ids)
@@ -184,7 +194,6 @@ def evaluate(
             res.accepted += out.stats.num_accepted_tokens
             if progress:
                 progress()
-        results.append(res)
     return results
 
 

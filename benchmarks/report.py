@@ -140,8 +140,11 @@ def write_report(
     chaos="",
     policy="",
     phases=None,
+    failures=None,
 ) -> None:
-    """phases: phase name -> seconds, shown beside the wall time."""
+    """phases: phase name -> seconds, shown beside the wall time; failures: phase name ->
+    the error that stopped it, shown in its section instead of "(skipped)"."""
+    failures = failures or {}
     spent = (
         " (" + ", ".join(f"{name} {sec:.0f} s" for name, sec in phases.items()) + ")"
         if phases
@@ -157,7 +160,7 @@ def write_report(
         "",
         "## 1. Micro-benchmarks",
         "",
-        micro or "(skipped)",
+        micro or failures.get("micro", "(skipped)"),
         "",
         "## 2. Quality vs speed on held-out function completions",
         "",
@@ -170,7 +173,7 @@ def write_report(
         "negative log-likelihood of the generated tokens. nats/token: divergence_nats "
         "per generated token.",
         "",
-        *(_quality_table(quality) if quality else ["(skipped)"]),
+        *(_quality_table(quality) if quality else [failures.get("quality", "(skipped)")]),
         "",
         "## 3. Serving load",
         "",
@@ -178,15 +181,15 @@ def write_report(
         "TP = 1), back-to-back 64-token requests, "
         f"{settings['seconds']:g} s per level, levels interleaved by rule.",
         "",
-        *(_load_table(load) if load else ["(skipped)"]),
+        *(_load_table(load) if load else [failures.get("load", "(skipped)")]),
         "",
         "## 4. Speculation policy: goodput vs fixed K, served",
         "",
-        policy or "(skipped)",
+        policy or failures.get("policy", "(skipped)"),
         "",
         "## 5. Chaos: engine actors killed under streaming load",
         "",
-        chaos or "(skipped)",
+        chaos or failures.get("chaos", "(skipped)"),
         "",
         "## 6. Plots",
         "",

@@ -30,14 +30,38 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+# load_warmup_s: each rule under the top level's load before the first measured cell;
+# load_settle_s: unmeasured seconds at a cell's own load before its window
 SETTINGS = {
-    "full": {"tasks": 60, "max_tokens": 96, "levels": [1, 4, 8, 16], "seconds": 20.0},
-    "quick": {"tasks": 6, "max_tokens": 48, "levels": [1, 4, 8, 16], "seconds": 3.0},
-    "tiny": {"tasks": 2, "max_tokens": 8, "levels": [1], "seconds": 2.0},
+    "full": {
+        "tasks": 60,
+        "max_tokens": 96,
+        "levels": [1, 4, 8, 16],
+        "seconds": 20.0,
+        "load_warmup_s": 5.0,
+        "load_settle_s": 2.0,
+    },
+    "quick": {
+        "tasks": 6,
+        "max_tokens": 48,
+        "levels": [1, 4, 8, 16],
+        "seconds": 3.0,
+        "load_warmup_s": 2.0,
+        "load_settle_s": 1.0,
+    },
+    "tiny": {
+        "tasks": 2,
+        "max_tokens": 8,
+        "levels": [1],
+        "seconds": 2.0,
+        "load_warmup_s": 1.0,
+        "load_settle_s": 0.5,
+    },
 }
 
 
@@ -141,7 +165,15 @@ def load_phase(mode: str):
     s = SETTINGS[mode]
     rules = ["cactus", "none"]
     progress = Progress("load", len(s["levels"]) * len(rules))
-    results = run_load(s["levels"], rules, s["seconds"], max_tokens=64, progress=progress)
+    results = run_load(
+        s["levels"],
+        rules,
+        s["seconds"],
+        max_tokens=64,
+        warmup_s=s["load_warmup_s"],
+        settle_s=s["load_settle_s"],
+        progress=progress,
+    )
     return [summary(r) for r in results]
 
 
@@ -229,33 +261,51 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-chaos", action="store_true")
     args = parser.parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    from benchmarks.load import exit_on_sigterm
     from cactus import environment
 
     environment.apply()
+    exit_on_sigterm()  # SIGTERM runs the `finally` that stops a phase's server too
+    skips = {
+        "micro": args.skip_micro,
+        "quality": args.skip_quality,
+        "load": args.skip_load,
+        "policy": args.skip_policy or mode == "tiny",
+        "chaos": args.skip_chaos or mode == "tiny",
+    }
+    ran = [name for name, skip in skips.items() if not skip]
+    # a run that skips a phase its mode has gets the phases it ran in its name, so it
+    # never replaces the whole run's report of the same day (README: the load section alone)
+    applicable = [n for n in skips if not (mode == "tiny" and n in ("policy", "chaos"))]
+    partial = "" if ran == applicable else "-" + "-".join(ran or ["none"])
 
     started = time.monotonic()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     host = socket.gethostname().split(".")[0] or "host"
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{stamp}-{host}{'' if mode == 'full' else '-' + mode}.md"
+    path = args.out / f"{stamp}-{host}{'' if mode == 'full' else '-' + mode}{partial}.md"
     phases: dict[str, float] = {}  # seconds each phase took, for the report's first line
+    failures: dict[str, str] = {}  # a phase that raised: the report says so, the rest stays
 
-    def timed(name, skip, run, empty):
-        if skip:
+    def timed(name, run, empty):
+        if skips[name]:
             return empty
         t0 = time.monotonic()
-        result = run()
+        try:
+            result = run()
+        except Exception as err:  # (not SystemExit / KeyboardInterrupt: those stop the run)
+            traceback.print_exc()
+            failures[name] = f"(failed: {type(err).__name__}: {err})"
+            return empty
         phases[name] = time.monotonic() - t0
         return result
 
     stem = path.with_suffix("")
-    micro_text, micro_plots = timed("micro", args.skip_micro, lambda: micro(mode, stem), ("", []))
-    tasks, quality = timed("quality", args.skip_quality, lambda: quality_phase(mode), ([], []))
-    load = timed("load", args.skip_load, lambda: load_phase(mode), [])
-    policy, policy_plots = timed(
-        "policy", args.skip_policy or mode == "tiny", lambda: policy_phase(mode, stem), ("", [])
-    )
-    chaos = timed("chaos", args.skip_chaos or mode == "tiny", lambda: chaos_phase(mode), "")
+    micro_text, micro_plots = timed("micro", lambda: micro(mode, stem), ("", []))
+    tasks, quality = timed("quality", lambda: quality_phase(mode), ([], []))
+    load = timed("load", lambda: load_phase(mode), [])
+    policy, policy_plots = timed("policy", lambda: policy_phase(mode, stem), ("", []))
+    chaos = timed("chaos", lambda: chaos_phase(mode), "")
 
     from benchmarks.report import write_report
 
@@ -275,9 +325,10 @@ def main(argv=None) -> int:
         chaos=chaos,
         policy=policy,
         phases=phases,
+        failures=failures,
     )
     print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

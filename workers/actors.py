@@ -346,6 +346,11 @@ class VerifierRank:
         failed = getattr(getattr(self, "mirror", None), "failed", None)
         if failed is not None:
             raise RuntimeError(f"rank {self.rank}: the tensor-parallel group broke ({failed!r})")
+        loop = getattr(self, "loop", None)
+        if loop is not None and not loop.alive:
+            # rank 0's engine loop failed (it could not end a failed step's requests) or
+            # its thread is gone: nothing steps, so the group must be rebuilt
+            raise RuntimeError(f"rank {self.rank}: its engine loop stopped ({loop.failed!r})")
         return self.rank
 
     @ray.method(concurrency_group=CONTROL)

@@ -588,14 +588,27 @@ class SpeculativeEngine:
         self.policy.forget(state.id)
 
     def _end(self, state: RequestState, error: BaseException) -> None:
-        self._close(state)
-        if isinstance(error, RequestCancelledError):
-            rule, st, work = state.request.speculation.rule, state.stats, self.cancelled_work
-            work[rule, "requests"] += 1
-            work[rule, "generated"] += state.num_generated
-            work[rule, "drafted"] += st.num_draft_tokens
-            work[rule, "accepted"] += st.num_accepted_tokens
-        state.sink(error)
+        try:
+            self._close(state)  # (a release that raises still leaves the caller answered)
+        finally:
+            if isinstance(error, RequestCancelledError):
+                rule, st, work = state.request.speculation.rule, state.stats, self.cancelled_work
+                work[rule, "requests"] += 1
+                work[rule, "generated"] += state.num_generated
+                work[rule, "drafted"] += st.num_draft_tokens
+                work[rule, "accepted"] += st.num_accepted_tokens
+            state.sink(error)
+
+    def abandon_all(self, error: BaseException) -> None:
+        """The engine is broken (freeing rows raised, workers/engine_loop.py): answer
+        every request with `error` without touching the rows, which go with the engine."""
+        for state in list(self._live.values()):
+            self._live.pop(state.id, None)
+            try:
+                self.scheduler.remove(state)
+            except Exception:  # bookkeeping only; the caller must be answered
+                log.exception("request %s: leaving the scheduler failed", state.id)
+            state.sink(error)
 
     def take_cancelled_work(self) -> Counter:
         """The cancelled requests' work since the last call (EngineMetrics exports it)."""

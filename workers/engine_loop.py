@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from cactus.errors import EngineFailedError
+
 _END = object()
 log = logging.getLogger("cactus.engine")
 _WAIT_ARRIVALS = 5  # an idle engine's wait for a burst ends after this many batch waits
@@ -56,6 +58,10 @@ class EngineLoopStopped(RuntimeError):
     """The loop was shut down before the request finished."""
 
 
+def _broken(err: BaseException) -> EngineFailedError:
+    return EngineFailedError(f"the engine loop failed and stopped ({type(err).__name__}: {err})")
+
+
 class EngineLoop:
     """`on_step(engine, batch_size)`: called after every step (metrics), a failed one too
     (batch_size 0, after its admitted requests ended), so gauges of the rows and the waiting
@@ -77,6 +83,11 @@ class EngineLoop:
         self.batch_wait_s = batch_wait_ms / 1000.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
+        # Set when the engine could not even end a failed step's requests (freeing their
+        # rows raised too: a broken device, a bug in a release). The loop then stops,
+        # every request gets an EngineFailedError (the supervisor rebuilds the engine and
+        # resumes them), and `alive` turns False for the rank's ping.
+        self.failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -86,8 +97,7 @@ class EngineLoop:
         """Iterate the request's GenerationChunk objects; the engine's exceptions
         (invalid request, cancellation, ...) are raised here. final_only: only the last
         chunk (a unary caller then is not woken at every step)."""
-        if self._stopped.is_set():
-            raise EngineLoopStopped("the engine loop is shut down")
+        self._refuse_if_stopped()
         out: queue.SimpleQueue = queue.SimpleQueue()
         sink = _final_only(out.put) if final_only else out.put
         self._inbox.put((request, cancelled, sink))
@@ -95,14 +105,24 @@ class EngineLoop:
 
     def call(self, fn: Callable, timeout_s: float = 60.0):
         """Run fn(engine) on the loop's thread between two steps; return its result."""
-        if self._stopped.is_set():
-            raise EngineLoopStopped("the engine loop is shut down")
+        self._refuse_if_stopped()
         done: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox.put(_Call(fn, done))
         ok, value = done.get(timeout=timeout_s)
         if not ok:
             raise value
         return value
+
+    @property
+    def alive(self) -> bool:
+        """The loop's thread runs and has not failed (a shut-down loop is not alive)."""
+        return self.failed is None and self._thread.is_alive()
+
+    def _refuse_if_stopped(self) -> None:
+        if self.failed is not None:
+            raise _broken(self.failed)
+        if self._stopped.is_set():
+            raise EngineLoopStopped("the engine loop is shut down")
 
     def generate(self, request, *, cancelled: Callable[[], bool] | None = None):
         last = None
@@ -147,6 +167,32 @@ class EngineLoop:
             pass
 
     def _run(self) -> None:
+        try:
+            self._serve()
+            ending: BaseException = EngineLoopStopped("the engine loop was shut down")
+            try:  # shut down: free every request's rows
+                self.engine.abort_all(ending)
+            except Exception as err:
+                log.exception("freeing the requests' rows at shutdown failed")
+                self.failed = err
+        except BaseException as err:  # ending the requests of a failed step failed too
+            log.exception("the engine loop failed and stops; its requests end")
+            self.failed = err
+        if self.failed is not None:
+            ending = _broken(self.failed)
+            self.engine.abandon_all(ending)  # answers them without touching their rows
+        self._stopped.set()
+        while True:  # answer everything still queued
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                return
+            if isinstance(item, _Call):
+                item.done.put((False, ending))
+            elif item is not _END:
+                item[2](ending)
+
+    def _serve(self) -> None:
         while not self._stopped.is_set():
             self._intake()
             if self._stopped.is_set() or not self.engine.has_work():
@@ -155,24 +201,13 @@ class EngineLoop:
                 batch = self.engine.step()
             except Exception as err:  # a bug: end what was admitted, keep serving
                 log.exception("an engine step failed: its admitted requests end")
-                self.engine.abort_admitted(err)
+                self.engine.abort_admitted(err)  # (if this raises too, the loop fails)
                 batch = 0  # no decode step to record; the rows and waiting ones changed
             if self.on_step is not None:
                 try:
                     self.on_step(self.engine, batch)
                 except Exception:  # the step's bookkeeping (metrics): no request's fault
                     log.exception("the step's on_step callback failed")
-        # Shut down: free every request's rows, answer everything still queued.
-        self.engine.abort_all(EngineLoopStopped("the engine loop was shut down"))
-        while True:
-            try:
-                item = self._inbox.get(block=False)
-            except queue.Empty:
-                return
-            if isinstance(item, _Call):
-                item.done.put((False, EngineLoopStopped("the engine loop was shut down")))
-            elif item is not _END:
-                item[2](EngineLoopStopped("the engine loop was shut down"))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stopped.set()

@@ -366,7 +366,12 @@ class EngineGroup:
             return False
 
     def cancel(self, request_id: str) -> None:
-        self.rank0.cancel.remote(request_id)
+        """Cancel on rank 0. During a gang restart there is no rank 0 for a moment
+        (`ranks` is empty): nothing to cancel then, the old ranks are being killed with
+        their requests, and a cancel (a drain's cut, a client's) must not raise."""
+        ranks = self.ranks
+        if ranks:
+            ranks[0].cancel.remote(request_id)
 
     def healthy(self, timeout_s: float = 10.0) -> bool:
         """True when the draft actor and every verifier rank answer."""

@@ -312,7 +312,9 @@ class EngineSupervisor:
         """A request id names one running request: a second one with the id would take
         over the first's cancellation (the engine refuses it anyway). Held from the
         first attempt to the end, across the waits for a restart."""
-        if request_id in self._inner:
+        # a resumed attempt's id (`<id>~<n>`, in the values) runs on rank 0 under that
+        # name: a client request with it would be refused there as a duplicate
+        if request_id in self._inner or request_id in self._inner.values():
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self._inner[request_id] = ""  # no attempt running yet: nothing to cancel
         self._cancelled[request_id] = asyncio.Event()

@@ -22,8 +22,10 @@ def test_tiny_bench_writes_a_report_with_plots(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    reports = list(tmp_path.glob("*-tiny.md"))
-    assert len(reports) == 1
+    # micro skipped: the phases that ran are in the name, so a partial run never
+    # replaces the whole run's report
+    reports = list(tmp_path.glob("*-tiny-quality-load.md"))
+    assert len(reports) == 1 and len(list(tmp_path.glob("*.md"))) == 1
     text = reports[0].read_text()
     # the first line gives the time of each phase that ran (micro was skipped)
     spent = re.search(r"Wall time [\d.]+ min \(quality (\d+) s, load (\d+) s\)\.", text)
@@ -39,7 +41,7 @@ def test_tiny_bench_writes_a_report_with_plots(tmp_path):
     )
     assert {r[0] for r in load_rows} == {"cactus", "none"}
     assert all(float(r[1]) > 0 and int(r[2]) > 0 and r[3] == "0" for r in load_rows)
-    pngs = sorted(p.name.split("-tiny-")[1] for p in tmp_path.glob("*.png"))
+    pngs = sorted(p.name.split("-tiny-quality-load-")[1] for p in tmp_path.glob("*.png"))
     assert pngs == [
         "acceptance-vs-delta.png",
         "frontier-compile.png",
@@ -389,7 +391,9 @@ def test_the_chaos_bench_tells_a_stopped_process_from_an_ended_one():
         "longest_check_s": 0.1,
         "stopped_processes_left": 0,
         "kills": [
-            {"role": "rank0", "at_s": 1.0, "recovered_s": 7.0},
+            {"role": "rank0", "at_s": 1.0, "recovered_s": 7.0, "health_left_serving": True},
+            {"role": "rank1", "at_s": 5.0, "recovered_s": None, "health_left_serving": True},
+            {"role": "draft", "at_s": 9.0, "recovered_s": 12.0},
             {
                 "role": "hang-draft",
                 "at_s": 20.0,
@@ -401,7 +405,12 @@ def test_the_chaos_bench_tells_a_stopped_process_from_an_ended_one():
     }
     text = markdown(report)
     assert "| hang-draft | 20.0 | 18.0 | False | True |" in text
-    assert "| rank0 | 1.0 | 7.0 | yes (restart) |  |" in text
+    assert "| rank0 | 1.0 | 7.0 | True |  |" in text
+    # a fault it did not recover from within the deadline is not given a time, and a
+    # health outcome not measured is not printed as one
+    assert "| rank1 | 5.0 | not recovered | True |  |" in text
+    assert "| draft | 9.0 | 12.0 | - |  |" in text
+    assert "sampled streams by count" in text
     assert "stopped processes left at the end: 0" in text
 
 

@@ -347,3 +347,78 @@ def test_a_failed_step_reports_the_rows_it_freed(tiny_checkpoints):
     assert reports[0][1] == 1  # the first step admitted it
     assert reports[-1] == (0, 0, 0), reports
     assert engine.verifier.runner.num_sequences == 0 == engine.drafter.runner.num_sequences
+
+
+def test_a_loop_that_cannot_end_a_failed_steps_requests_answers_them_all_and_stops(
+    tiny_checkpoints,
+):
+    """A step fails, and freeing its requests' rows fails too (a broken device: on CUDA a
+    sticky error raises again in every op). The loop's thread used to die then, leaving
+    every caller blocked for ever on its queue, new requests queued where nobody read
+    them, and rank 0's ping answering. Now each caller is answered (the failed step's
+    error, or EngineFailedError, which the supervisor resumes after a rebuild), later
+    submits and calls are refused, and `alive` (rank 0's ping) turns False."""
+    from cactus.errors import EngineFailedError, is_engine_failure
+    from workers.actors import VerifierRank
+    from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
+
+    engine = local_engine(
+        str(tiny_checkpoints["llama"]),
+        str(tiny_checkpoints["qwen2"]),
+        scheduler=SchedulerConfig(max_num_seqs=2, policy="fixed", batch_wait_ms=0),
+    )
+    real_step = engine.step
+
+    def failing_step():
+        if engine.scheduler.num_rows == 2 and engine.scheduler.waiting:
+            raise RuntimeError("injected: the device broke")
+        return real_step()
+
+    def failing_release(request_id):
+        raise RuntimeError("injected: the device broke again")
+
+    engine.step = failing_step
+    engine.verifier.release = failing_release
+    loop = EngineLoop(engine)
+
+    def req(rid):
+        return GenerationRequest(
+            prompt_token_ids=(5, 6, 7, 8),
+            request_id=rid,
+            sampling=SamplingParams(max_tokens=200, temperature=0.9, seed=1),
+        )
+
+    outcomes: dict[str, BaseException | str] = {}
+
+    def consume(rid):
+        try:
+            list(loop.submit(req(rid)))
+            outcomes[rid] = "finished"
+        except BaseException as err:
+            outcomes[rid] = err
+
+    threads = [threading.Thread(target=consume, args=(f"r{i}",), daemon=True) for i in range(3)]
+    try:
+        for t in threads:  # two take the rows, the third waits for one
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), f"callers left blocked: {outcomes}"
+        assert set(outcomes) == {"r0", "r1", "r2"}
+        errors = list(outcomes.values())
+        assert all(isinstance(e, BaseException) for e in errors), outcomes
+        # the first row ended with the step's own error, the rest the engine's failure
+        assert sum(isinstance(e, EngineFailedError) for e in errors) == 2, outcomes
+        assert all(is_engine_failure(e) or "injected: the device broke" in str(e) for e in errors)
+        assert not loop.alive and loop.failed is not None
+        with pytest.raises(EngineFailedError, match="engine loop failed"):
+            loop.submit(req("late"))
+        with pytest.raises(EngineFailedError):
+            loop.call(lambda eng: 1, timeout_s=5)
+        rank = VerifierRank.__ray_actor_class__(0, 1)  # the plain class: no Ray actor
+        rank.loop = loop
+        with pytest.raises(RuntimeError, match="engine loop stopped"):
+            rank.ping()  # the supervisor's probe then rebuilds the group
+    finally:
+        loop.shutdown(timeout_s=5)

@@ -253,3 +253,46 @@ def test_a_resumed_attempt_never_takes_an_id_a_client_request_holds():
     assert a.text == other.text == "ok" and a.stats.resumed == 1
     assert a.request_id == "a" and other.request_id == "a~1"
     assert sorted(seen) == ["a", "a~1", "a~1~"], seen
+
+
+def test_a_client_request_cannot_take_a_resumed_attempts_id():
+    """The other direction: while a resumed attempt runs on rank 0 as `a~1`, a client
+    request with the id `a~1` is refused by the supervisor, before it could reach rank 0
+    (or take over the attempt's cancellation)."""
+
+    class Group(FlakyGroup):
+        def __init__(self, fail: int) -> None:
+            super().__init__(fail=fail)
+            self.started: list[str] = []
+
+        async def agenerate(self, request):
+            self.started.append(request.request_id)
+            if request.request_id == "a~1":
+                await asyncio.sleep(0.5)  # the resumed attempt runs a while
+            return await super().agenerate(request)
+
+    async def run():
+        group = Group(fail=1)
+        sup = EngineSupervisor(group, _config())
+        first = asyncio.create_task(sup.agenerate(_req("a")))
+        while "a~1" not in group.started:
+            await asyncio.sleep(0.01)
+        with pytest.raises(InvalidRequestError, match="already running"):
+            await sup.agenerate(_req("a~1"))
+        result = await first
+        later = await sup.agenerate(_req("a~1"))  # free again once the attempt ended
+        return result, later, [r.request_id for r in group.seen]
+
+    result, later, seen = asyncio.run(run())
+    assert result.stats.resumed == 1 and later.text == "ok"
+    assert seen == ["a", "a~1", "a~1"], seen  # the refused one never reached the group
+
+
+def test_a_cancel_while_a_restart_has_no_rank_0_does_not_raise():
+    """A gang restart empties `ranks` before the new ones start; a cancel then (a drain's
+    cut, a client's) raised IndexError, which stopped the drain's cut half way."""
+    from workers.group import EngineGroup, GroupConfig
+
+    group = EngineGroup(GroupConfig("verifier", "draft"))
+    assert group.ranks == []
+    group.cancel("r1")  # no rank 0: nothing to cancel, no error
