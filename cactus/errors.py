@@ -36,7 +36,16 @@ class WorkerUnavailableError(CactusError):
 
 class ServerShuttingDownError(WorkerUnavailableError):
     """The replica is being stopped and the request was still running when its drain
-    time was up (deployments/drain.py). The message says so; clients retry elsewhere."""
+    time was up (deployments/drain.py). The message says so; clients retry elsewhere.
+    `refused`: it arrived after that cut and never ran (no accepted request, so the
+    replica's metrics do not count it)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.refused))
 
 
 class ModelOutputError(CactusError):

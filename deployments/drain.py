@@ -78,7 +78,7 @@ class DrainingEngine:
 
     def _admit(self) -> None:
         if self.cut_reason is not None:
-            raise ServerShuttingDownError(self.cut_reason)
+            raise ServerShuttingDownError(self.cut_reason, refused=True)
         self._start_watch()
 
     def _start_watch(self) -> None:

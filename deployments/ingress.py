@@ -42,7 +42,7 @@ from cactus.params import (
 )
 from configs.schema import ServeConfig, from_dict
 from deployments.drain import DrainingEngine, application_deleting
-from deployments.metrics import ServiceMetrics
+from deployments.metrics import ServiceMetrics, failure_reason
 from protos.cactus.v1 import cactus_pb2 as pb
 
 logger = logging.getLogger("cactus.ingress")
@@ -364,10 +364,12 @@ class CactusIngress:
                 self.metrics.ended(req, "CANCELLED")
             raise
         except Exception as err:
-            # refused (a request_id already running, a field the engine found bad) is no
-            # accepted request that failed, and the id's bookkeeping is the other one's
-            if req is not None and not isinstance(unwrap(err), InvalidRequestError):
-                self.metrics.ended(req, "ERROR")
+            # refused (a request_id already running, a field the engine found bad, a
+            # replica past its drain cut) is no accepted request that failed, and the
+            # id's bookkeeping is the other one's (metrics.failure_reason)
+            reason = failure_reason(err)
+            if req is not None and reason is not None:
+                self.metrics.ended(req, reason)
             self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             return pb.GenerateResponse()
 
@@ -407,9 +409,10 @@ class CactusIngress:
                 # refused before it ran (a request_id already running, a bad field the
                 # engine found): there is nothing of its own to cancel, and a cancel by
                 # id would stop the other request that holds the id
-                refused = isinstance(unwrap(err), InvalidRequestError)
+                reason = failure_reason(err)
+                refused = reason is None
                 if not refused:  # (nor is it a failure: see Generate)
-                    self.metrics.ended(req, "ERROR")
+                    self.metrics.ended(req, reason)
             code, details = self._fail(grpc_context, unwrap(err), req.request_id if req else "")
             # A streaming method must raise for Serve to send the status it set.
             raise RequestError(code, details) from None

@@ -12,11 +12,28 @@ from collections import OrderedDict
 
 from ray.serve import metrics
 
+from cactus.errors import InvalidRequestError, ServerShuttingDownError, unwrap
+
 LAST_TOKEN_ENTRIES = 4096  # far more than a replica's running requests
 # up to an hour: a request may run as long as limits.request_timeout_s (600 s in
 # configs/cluster.yaml), and a latency past the last bound is only +Inf
 LATENCY_BOUNDS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 LATENCY_BOUNDS_S += [120, 300, 600, 1800, 3600]
+
+
+def failure_reason(err: BaseException) -> str | None:
+    """How `cactus_request_failure` counts a request that ended in `err` without a
+    result. None: it was refused before it ran (a field or an id the engine refused, a
+    replica past its drain cut), so it was never an accepted request and is not counted
+    (nor cancelled by its id, which another request may hold). CANCELLED: a drain's cut
+    stopped it; the engine stopped it by a cancel and counts its work among the
+    cancelled (`cactus_cancelled_*`), as for a client that went away. ERROR otherwise."""
+    err = unwrap(err)
+    if isinstance(err, InvalidRequestError):
+        return None
+    if isinstance(err, ServerShuttingDownError):
+        return None if err.refused else "CANCELLED"
+    return "ERROR"
 
 
 class ServiceMetrics:

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
 from cactus.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, SpeculationParams
+from deployments.metrics import failure_reason
 
 FINISH = {
     "LENGTH": "length",
@@ -596,11 +597,13 @@ async def sse_events(
                     finish = FINISH.get(chunk.result.finish_reason, "stop")
                     last = event(chunk.text, finish, is_first, chunk.logprobs)
                     last["cactus"] = cactus_stats(request, chunk.result)
+                    # counted before it goes out, as the gRPC stream does: the request
+                    # finished in the engine even if its client leaves during this write
+                    counted = True
+                    on_done(chunk.result)
                     yield _sse(last)
                     if include_usage:
                         yield _sse(shape.usage_chunk(request, chunk.result))
-                    counted = True
-                    on_done(chunk.result)
                     break
                 if chunk.text or is_first or chunk.logprobs:
                     yield _sse(event(chunk.text, None, is_first, chunk.logprobs))
@@ -610,7 +613,9 @@ async def sse_events(
     except Exception as err:  # headers are out: the failure goes in the stream
         if not counted:
             counted = True
-            on_end("ERROR")
+            reason = failure_reason(err)  # a drain's cut: CANCELLED
+            if reason is not None:
+                on_end(reason)
         yield _sse(stream_error(as_openai_error(err, request.request_id, sent)))
         yield _sse("[DONE]")
     finally:
@@ -751,7 +756,9 @@ def build_routes(ingress, tokenize, logger):
             for req, task in zip(reqs, tasks, strict=True):
                 if task.done() and not task.cancelled():
                     if task.exception() is not None:
-                        ingress.metrics.ended(req, "ERROR")
+                        reason = failure_reason(task.exception())  # None: refused
+                        if reason is not None:
+                            ingress.metrics.ended(req, reason)
                     continue  # finished (counted) or failed
                 task.cancel()
                 ingress.engine.cancel(req.request_id)
@@ -810,7 +817,16 @@ def build_routes(ingress, tokenize, logger):
                 return JSONResponse(shape.whole(req, result))
             stream = ingress.engine.astream(req)
             first = await anext(stream)  # a failure before the first token: a status
-            ingress.metrics.token_latency(req, start, first=True)
+            # the first chunk with a token is timed as the first token (a request whose
+            # time ran out while it waited for a row sends its result alone: no token)
+            timed = [bool(first.token_ids)]
+            if timed[0]:
+                ingress.metrics.token_latency(req, start, first=True)
+
+            def on_token() -> None:
+                ingress.metrics.token_latency(req, start, first=not timed[0])
+                timed[0] = True
+
             options = body.get("stream_options") or {}
             return StreamingResponse(
                 sse_events(
@@ -821,7 +837,7 @@ def build_routes(ingress, tokenize, logger):
                     include_usage=bool(options.get("include_usage")),
                     on_done=lambda result: ingress.metrics.finished(req, result, start),
                     cancel=ingress.engine.cancel,
-                    on_token=lambda: ingress.metrics.token_latency(req, start, first=False),
+                    on_token=on_token,
                     running=ingress.metrics.running,
                     on_end=lambda reason: ingress.metrics.ended(req, reason),
                     sent=sent,
@@ -834,8 +850,9 @@ def build_routes(ingress, tokenize, logger):
                 ingress.metrics.ended(req, "CANCELLED")
             raise
         except Exception as err:
-            if req is not None:
-                ingress.metrics.ended(req, "ERROR")
+            reason = failure_reason(err)  # None: refused before it ran, not counted
+            if req is not None and reason is not None:
+                ingress.metrics.ended(req, reason)
             request_id = req.request_id if req else base.request_id if base else ""
             return fail(err, request_id, sent)
 

@@ -86,15 +86,19 @@ def test_a_cut_ends_running_requests_after_their_chunks_and_refuses_late_ones():
         assert engine.running == {"s", "u"}
         assert engine.cut("the server is shutting down (test)") == 2
         for task in (stream, unary):
-            with pytest.raises(ServerShuttingDownError, match="shutting down"):
+            with pytest.raises(ServerShuttingDownError, match="shutting down") as info:
                 await task
+            assert not info.value.refused  # it ran: the metrics count it CANCELLED
         assert len(chunks) >= 3 and all(c.token_ids for c in chunks)
         assert engine.running == set()
-        # a request that arrives after the cut is refused at once
-        with pytest.raises(ServerShuttingDownError):
+        # a request that arrives after the cut is refused at once (never ran: the
+        # metrics do not count it)
+        with pytest.raises(ServerShuttingDownError) as info:
             await engine.agenerate(_req("late"))
-        with pytest.raises(ServerShuttingDownError):
+        assert info.value.refused
+        with pytest.raises(ServerShuttingDownError) as info:
             await _collect(engine, _req("late-stream"), [])
+        assert info.value.refused
         return done
 
     done = asyncio.run(scenario())

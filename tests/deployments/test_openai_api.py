@@ -12,6 +12,7 @@ import httpx2
 import openai
 import pytest
 
+from cactus.params import GenerationRequest
 from deployments.ingress import tokenize
 from deployments.openai_api import build_routes
 from tests.deployments.test_ingress import FakeEngine, _shim
@@ -779,3 +780,129 @@ def test_a_stream_that_fails_in_our_own_code_cancels_and_closes_the_engine_strea
     assert events[-1]["error"]["type"] == "server_error", events
     assert shim.engine.cancelled == [shim.engine.seen[-1].request_id]
     assert ended == ["ERROR"] and closed
+
+
+class _RefusingEngine(FakeEngine):
+    """Refuses before the first chunk, as rank 0 refuses a running id or a request over
+    the KV budget (unary and streamed alike)."""
+
+    async def astream(self, req):
+        self.seen.append(req)
+        raise self.fail
+        yield  # an async generator
+
+
+def _counted(engine, body) -> tuple[list, list]:
+    """(reasons given to metrics.ended, first-token flags given to token_latency)."""
+    shim, app = _app(engine)
+    ended, ttft = [], []
+    shim.metrics.ended = lambda req, reason: ended.append(reason)
+    shim.metrics.token_latency = lambda req, start, first: ttft.append(first)
+    _raw(app, "POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    return ended, ttft
+
+
+def test_http_counts_a_request_the_engine_refused_as_no_failure(ray_session):
+    """As the gRPC path does (test_ingress): a request rank 0 refuses before it runs
+    (its id already running, max_tokens over the KV budget) is no accepted request, so
+    `cactus_request_failure` does not count it; HTTP counted it as ERROR."""
+    from cactus.errors import InvalidRequestError
+
+    refusal = InvalidRequestError("max_tokens", "needs more KV slots than the budget")
+    for body in ({"prompt": "x"}, {"prompt": "x", "stream": True}, {"prompt": ["x", "y"]}):
+        ended, _ = _counted(_RefusingEngine(fail=refusal), body)
+        assert ended == [] or (len(body["prompt"]) == 2 and set(ended) == {"CANCELLED"}), (
+            body,
+            ended,
+        )
+    # an engine failure is still a failure
+    from cactus.errors import EngineFailedError
+
+    ended, _ = _counted(_RefusingEngine(fail=EngineFailedError("gone")), {"prompt": "x"})
+    assert ended == ["ERROR"]
+
+
+def test_http_counts_a_drain_cut_as_cancelled_and_a_late_refusal_not_at_all(ray_session):
+    """A drain's cut stops a request by a cancel, which rank 0 counts among the cancelled
+    (`cactus_cancelled_*`): the replica counts it CANCELLED, not ERROR, so the two agree.
+    A request that arrives after the cut never ran: not counted. gRPC alike."""
+    from cactus.errors import ServerShuttingDownError
+    from tests.deployments.test_ingress import Ctx
+
+    cut = ServerShuttingDownError("the server is shutting down")
+    late = ServerShuttingDownError("the server is shutting down", refused=True)
+    for body in ({"prompt": "x"}, {"prompt": "x", "stream": True}):
+        assert _counted(_RefusingEngine(fail=cut), body)[0] == ["CANCELLED"], body
+        assert _counted(_RefusingEngine(fail=late), body)[0] == [], body
+    # mid-stream (FakeEngine fails after its first chunk)
+    assert _counted(FakeEngine(fail=cut), {"prompt": "x", "stream": True})[0] == ["CANCELLED"]
+    from client import CactusClient
+
+    for fail, want in ((cut, ["CANCELLED"]), (late, [])):
+        shim = _shim(FakeEngine(fail=fail))
+        ended = []
+        shim.metrics.ended = lambda req, reason, ended=ended: ended.append(reason)
+        asyncio.run(shim.Generate(CactusClient.request("x"), Ctx()))
+        assert ended == want, (fail, ended)
+
+
+def test_an_http_stream_whose_first_chunk_has_no_token_times_no_first_token(ray_session):
+    """A request whose time ran out while it waited for a row sends its result alone: no
+    token, so no time to first token (the gRPC path skipped it; HTTP recorded the wait)."""
+    from dataclasses import replace
+
+    from workers.request import GenerationChunk
+
+    class NoTokenEngine(FakeEngine):
+        async def astream(self, req):
+            res = replace(self._result(req), text="", token_ids=(), finish_reason="TIME_LIMIT")
+            yield GenerationChunk(req.request_id, (), "", result=res)
+
+    class LateTokenEngine(FakeEngine):  # a first chunk without a token, then tokens
+        async def astream(self, req):
+            yield GenerationChunk(req.request_id, (), "")
+            async for chunk in super().astream(req):
+                yield chunk
+
+    assert _counted(NoTokenEngine(), {"prompt": "x", "stream": True})[1] == []
+    # the first chunk with a token is the one timed as the first token
+    assert _counted(LateTokenEngine(), {"prompt": "x", "stream": True})[1] == [
+        True,
+        False,
+        False,
+    ]
+
+
+def test_an_http_stream_left_during_its_final_event_counts_as_finished():
+    """The result was counted only after the final event (and the usage chunk) went out:
+    a client that left during that write made a finished request CANCELLED, its tokens
+    counted nowhere (the engine does not count a finished request as cancelled)."""
+    from deployments.openai_api import Shape, sse_events
+    from workers.request import GenerationChunk
+
+    engine = FakeEngine()
+    req = GenerationRequest(prompt_token_ids=(5, 6), request_id="r1")
+    result = engine._result(req)
+    done, ended, cancelled = [], [], []
+
+    async def rest():
+        yield GenerationChunk("r1", (2,), "b")
+        yield GenerationChunk("r1", (), "", "LENGTH", result)
+
+    async def go():
+        events = sse_events(
+            Shape(False, "m", "r1"),
+            req,
+            GenerationChunk("r1", (1,), "a"),
+            rest(),
+            include_usage=True,
+            on_done=done.append,
+            cancel=cancelled.append,
+            on_end=ended.append,
+        )
+        while '"finish_reason": "length"' not in await events.__anext__():
+            pass
+        await events.aclose()  # the client leaves before the usage chunk
+
+    asyncio.run(go())
+    assert done == [result] and ended == [] and cancelled == []
