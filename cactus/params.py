@@ -17,6 +17,9 @@ RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# A client's own request_id (gRPC): every draft message and streamed chunk of the request
+# carries it, so an unbounded one would swell every step's messages for the whole batch.
+MAX_REQUEST_ID_CHARS = 256
 MAX_SEED = 2**64 - 1
 
 

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2
 
 from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
 from cactus.params import (
+    MAX_REQUEST_ID_CHARS,
     GenerationRequest,
     Limits,
     SamplingParams,
@@ -74,6 +75,13 @@ def limits_from(config: ServeConfig, *, vocab_size: int, max_context: int) -> Li
 
 def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationRequest:
     """Wire request -> GenerationRequest, unset fields filled from the config."""
+    rid = msg.request_id
+    if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
+        raise InvalidRequestError(
+            "request_id",
+            f"must be at most {MAX_REQUEST_ID_CHARS} printable characters, got {len(rid)}"
+            + ("" if rid.isprintable() else " with a control character"),
+        )
     s, sp = msg.sampling, msg.speculation
     sampling = SamplingParams(
         max_tokens=s.max_tokens if s.HasField("max_tokens") else config.sampling.default_max_tokens,

@@ -130,7 +130,7 @@ class VerifierRank:
         # with a running id, refused by the engine, must not unhook the first's)
         self._cancel_flags: dict[str, list[threading.Event]] = {}
         self._flags_lock = threading.Lock()  # request threads and cancels change them
-        self._started_at = time.time()
+        self._master_port: int | None = None  # its group's (names its shm buffers)
         self.follow_failed: str | None = None  # why this follower's loop ended early
 
     def pick_port(self) -> int:
@@ -154,6 +154,7 @@ class VerifierRank:
         _quiet_hf()
         from workers.tp_verifier import init_rank
 
+        self._master_port = master_port
         self.runner = init_rank(
             rank=self.rank,
             world_size=self.world_size,
@@ -365,4 +366,4 @@ class VerifierRank:
             self.loop.shutdown()
             self.mirror.stop_followers()
             self.drafter.close()
-        return shutdown_rank(self.world_size, started_at=self._started_at)
+        return shutdown_rank(self.world_size, master_port=self._master_port)

@@ -127,6 +127,9 @@ class EngineGroup:
         self._restarting = threading.Lock()
         self.closed = False  # shut down: restarts and replacements are refused
         self._shut_without_lock = False  # shutdown gave up waiting for a restart
+        # (master port, rank nodes) of the ranks' DeepSpeed shm buffers (shm_allreduce):
+        # a killed rank never removes its own, so the group does once they are ended
+        self._shm: tuple[int, list[str]] | None = None
         self.rank_generation = 0  # bumped by every gang restart of the ranks
         self.draft_generation = 0  # bumped by every replacement of the draft actor
 
@@ -172,6 +175,8 @@ class EngineGroup:
         where = [p for procs in self._processes.values() for p in procs]
         with contextlib.suppress(Exception):
             self._end(actors, where)
+        with contextlib.suppress(Exception):
+            self._remove_shm()
         if self.pg is not None and self.own_pg:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
@@ -219,6 +224,10 @@ class EngineGroup:
             for i in range(c.tp_size)
         ]
         port = self._wait(self.ranks[0].pick_port.remote(), "verifier rank 0 did not start")
+        if c.shm_allreduce and c.tp_size > 1:  # known before the ranks make the buffers,
+            # so a start that fails half way removes them too (_abandon)
+            nodes = self._wait([r.node_id.remote() for r in self.ranks], "a rank did not start")
+            self._shm = (port, nodes)
         infos = self._wait(
             [
                 r.init.remote(
@@ -300,8 +309,20 @@ class EngineGroup:
             self._restart_ranks()
             self._undo_if_closed()
 
+    def _remove_shm(self) -> None:
+        """Remove the ended ranks' shm buffers (about 66 MiB of node memory per rank,
+        which would outlive every gang restart); nothing when none were made."""
+        if self._shm is None:
+            return
+        from workers.processes import remove_files
+        from workers.tp_verifier import shm_prefix
+
+        (port, nodes), self._shm = self._shm, None
+        remove_files(shm_prefix(port), nodes, timeout_s=self.config.rpc_timeout_s)
+
     def _restart_ranks(self) -> None:
         self._end(self.ranks, self._processes.pop("ranks", []))
+        self._remove_shm()
         self.ranks, self.followers = [], []
         self.rank_generation += 1
         with contextlib.suppress(Exception):
@@ -429,6 +450,7 @@ class EngineGroup:
         # A role whose shutdown failed may be hung: its processes are ended for sure.
         where = [p for role in failed for p in self._processes.pop(role, [])]
         self._end([a for a in (*self.ranks, self.draft) if a is not None], where)
+        self._remove_shm()  # (ranks that shut down cleanly removed theirs already)
         if self.pg is not None and self.own_pg:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)

@@ -104,3 +104,47 @@ def kill_processes(
         except Exception:  # the node is gone with its processes, or unreachable
             logger.warning("could not end processes on node %s", node_id, exc_info=True)
     return killed
+
+
+def remove_with_prefix(prefix: str) -> list[str]:
+    """Remove the files whose path starts with `prefix` (on this node); returns them."""
+    folder, base = os.path.split(prefix)
+    removed = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name.startswith(base):
+            path = os.path.join(folder, name)
+            try:
+                os.remove(path)
+                removed.append(path)
+            except OSError:  # another process removed it first
+                pass
+    return removed
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _remove_on_node(prefix: str) -> list[str]:
+    return remove_with_prefix(prefix)
+
+
+def remove_files(
+    prefix: str, node_ids: list[str], *, timeout_s: float = 30.0, here: str | None = None
+) -> list[str]:
+    """`remove_with_prefix` on each node (a killed rank's shm buffers lie on its node):
+    here directly, elsewhere by a zero-CPU task pinned to the node. Never raises."""
+    removed, refs = [], []
+    try:
+        here = here or ray.get_runtime_context().get_node_id()
+        for node_id in dict.fromkeys(n for n in node_ids if n):
+            if node_id == here:
+                removed += remove_with_prefix(prefix)
+            else:
+                strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+                refs.append(_remove_on_node.options(scheduling_strategy=strategy).remote(prefix))
+    except Exception:
+        logger.warning("could not remove %s* on nodes %s", prefix, node_ids, exc_info=True)
+    for ref in refs:
+        try:
+            removed += ray.get(ref, timeout=timeout_s)
+        except Exception:  # the node is gone, and its /dev/shm with it
+            logger.warning("could not remove %s* on a node", prefix, exc_info=True)
+    return removed

@@ -29,6 +29,7 @@ import torch
 
 from cactus.errors import EngineFailedError, is_engine_failure
 from workers.batch_runner import BatchRunner
+from workers.processes import remove_with_prefix
 
 SHM_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
 
@@ -234,19 +235,19 @@ def init_rank(
     return BatchRunner(verifier_dir, dtype=dtype, device=device, model=engine.module, **rows)
 
 
-def shutdown_rank(world_size: int, *, started_at: float) -> list[str]:
-    """Leave the process group; remove DeepSpeed shm buffers created since started_at
-    (only exist when the shm all-reduce was enabled). Returns the removed paths."""
+def shm_prefix(master_port: int) -> str:
+    """The path prefix of one tensor-parallel group's DeepSpeed shm buffers: DeepSpeed
+    names them `<SHM_PREFIX>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>` (its shm.cpp),
+    and every group has its own master port (rank_environment)."""
+    return f"{SHM_PREFIX}_{os.getuid()}_127.0.0.1_{master_port}_"
+
+
+def shutdown_rank(world_size: int, *, master_port: int | None) -> list[str]:
+    """Leave the process group; remove this group's DeepSpeed shm buffers (they exist
+    only when the shm all-reduce was enabled), and only this group's: another engine's
+    on the same node keeps its own. Returns the removed paths."""
     if world_size > 1 and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    removed = []
-    shm = os.path.dirname(SHM_PREFIX)
-    for name in os.listdir(shm) if os.path.isdir(shm) else []:
-        path = os.path.join(shm, name)
-        try:
-            if path.startswith(SHM_PREFIX) and os.path.getmtime(path) >= started_at:
-                os.remove(path)
-                removed.append(path)
-        except OSError:
-            pass  # another rank removed it first
-    return removed
+    if master_port is None:  # never joined a group
+        return []
+    return remove_with_prefix(shm_prefix(master_port))

@@ -16,7 +16,7 @@ from cactus.errors import EngineFailedError, InvalidRequestError, WorkerUnavaila
 from cactus.params import GenerationRequest
 from client import CactusClient
 from configs.schema import from_dict, to_dict
-from deployments.ingress import CactusIngress
+from deployments.ingress import CactusIngress, RequestError
 from tests.conftest import embedded_dirs
 from workers.request import GenerationChunk, GenerationResult, SpecStats
 
@@ -597,3 +597,29 @@ def test_the_replicas_end_shuts_the_engine_down_through_its_supervisor(ray_sessi
     _shim(Grouped()).__del__()
     assert downs[:1] == ["group"]
     _shim(FakeEngine()).__del__()  # nothing to shut down: no error
+
+
+def test_a_request_id_too_long_or_with_a_control_character_is_invalid_argument(ray_session):
+    """A client's request_id travels in every draft message and streamed chunk of its
+    request: one of megabytes (gRPC allows up to the message limit) swelled every step's
+    ProposeBatch for the whole batch until the draft service refused it, turning drafting
+    off for every row. It is now INVALID_ARGUMENT naming the field, before the engine."""
+    from cactus.params import MAX_REQUEST_ID_CHARS
+
+    engine = FakeEngine()
+    shim = _shim(engine)
+    for rid, why in (("x" * (MAX_REQUEST_ID_CHARS + 1), "257"), ("a\nb", "control character")):
+        for call in ("unary", "stream"):
+            msg = CactusClient.request("x", request_id=rid)
+            ctx = Ctx()
+            if call == "unary":
+                asyncio.run(shim.Generate(msg, ctx))
+            else:
+                with pytest.raises(RequestError):
+                    asyncio.run(_collect(shim.GenerateStream(msg, ctx)))
+            assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT, (rid[:10], ctx.code)
+            assert ctx.details.startswith("request_id:") and why in ctx.details, ctx.details
+    assert engine.seen == []
+    ok = CactusClient.request("x", request_id="y" * MAX_REQUEST_ID_CHARS)
+    reply = asyncio.run(shim.Generate(ok, Ctx()))
+    assert reply.text == "abc" and engine.seen[-1].request_id == "y" * MAX_REQUEST_ID_CHARS

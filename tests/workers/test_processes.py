@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from workers.processes import _start_time, kill_processes, sigkill_if_same
 
@@ -72,3 +73,48 @@ def test_kill_processes_ends_processes_of_another_node_by_a_task_pinned_there(ra
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_gang_restart_removes_the_killed_ranks_shm_buffers_and_only_theirs(
+    ray_session, tmp_path, monkeypatch
+):
+    """With `shm_allreduce`, DeepSpeed gives each rank a shared-memory buffer (about 66
+    MiB of node memory) named after its group's master port. A rank that shuts down
+    removes its own; a killed one (a gang restart, a failed start) never did, so every
+    restart left tp_size buffers behind for the node's life. The group now removes the
+    ended ranks' buffers, on their node (here directly, elsewhere by a pinned task), and
+    a rank's own shutdown removes its group's only, not another engine's on the node."""
+    import ray
+
+    from workers import tp_verifier
+    from workers.group import EngineGroup, GroupConfig
+    from workers.processes import remove_files
+    from workers.tp_verifier import shm_prefix, shutdown_rank
+
+    monkeypatch.setattr(tp_verifier, "SHM_PREFIX", str(tmp_path / "deepspeed_allreduce_buffer"))
+    node = ray.get_runtime_context().get_node_id()
+
+    def buffers(port, ranks=(0, 1)):
+        paths = [tmp_path / f"{Path(shm_prefix(port)).name}{r}" for r in ranks]
+        for path in paths:
+            path.write_bytes(b"x")
+        return paths
+
+    ours, theirs = buffers(29500), buffers(29501)  # another engine's group on the node
+    group = EngineGroup(GroupConfig("verifier", "draft", tp_size=2, shm_allreduce=True))
+    group._shm = (29500, [node, node])
+    monkeypatch.setattr(group, "_end", lambda actors, where: None)
+    monkeypatch.setattr(group, "_start_ranks", lambda: None)
+    group._restart_ranks()
+    assert not any(p.exists() for p in ours) and all(p.exists() for p in theirs)
+    assert group._shm is None  # the new ranks' buffers are the new start's to record
+    # on another node: one task pinned to it removes them there
+    again = buffers(29502)
+    removed = remove_files(shm_prefix(29502), [node], here="another-node")
+    assert sorted(removed) == sorted(str(p) for p in again)
+    # a rank's shutdown removes its group's buffers only (it matched any buffer made
+    # after the rank started, another engine's included)
+    mine = buffers(29503)
+    assert sorted(shutdown_rank(1, master_port=29503)) == sorted(str(p) for p in mine)
+    assert all(p.exists() for p in theirs)
+    assert shutdown_rank(1, master_port=None) == []
