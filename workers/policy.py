@@ -34,7 +34,9 @@ models it learns online from this engine's own steps:
   checks, streaming), fitted so that the other terms do not absorb it (Cactus emits
   about twice the tokens of sps per step) but left out of the choice, which it cannot
   change (`CostModel.coefs`). No offline profiling: the first `warmup_steps` steps
-  cycle through k = K, K/2, K/4, 0 (rounded up; so every coefficient is seen), and
+  cycle through k = K, K/2, K/4, 0 (rounded up; so every coefficient is seen; until
+  rows drafted in 3/4 of that many steps, so steps where none could draft do not use
+  the warm-up up), and
   afterwards every `explore_every`-th step moves the cap by one either way; in the
   steps that move it up, the rows the choice left at k = 0 draft too (the cap, or
   their ceiling where lower), so that a row whose estimate says drafting does not pay
@@ -348,6 +350,7 @@ class CostModel:
         # [1, rows, drafted tokens, drafting rows x max k, emitted tokens]
         self.rest = _Fit(5, **fit)
         self.steps = 0
+        self.drafted_steps = 0  # the steps in which a row drafted (the draft fit's rows)
 
     @staticmethod
     def features(ks, lags):
@@ -365,6 +368,7 @@ class CostModel:
         key = max(ks, default=0)
         if fd is not None:
             self.draft.add(fd, draft_s, key)
+            self.drafted_steps += 1
         self.verify.add(fv, verify_s, key)
         self.rest.add([*fr, tokens], rest_s, key)
         self.steps += 1
@@ -422,7 +426,10 @@ class SpeculationPolicy:
             return self._planned(rows, [0] * len(rows), gains)
         n = self.stats.steps + 1  # the step being planned
         warm = self.config.warmup_steps
-        if self.cost.steps < warm or n <= warm:
+        # The warm-up also lasts until rows drafted in 3 of its 4 phases' worth of
+        # steps: steps in which no row could draft (rule none, rows without a draft
+        # actor yet) teach the draft fit nothing and must not use the warm-up up.
+        if self.cost.steps < warm or n <= warm or self.cost.drafted_steps < (3 * warm) // 4:
             cycle = (1.0, 0.5, 0.25, 0.0)[n % 4]  # K, K/2, K/4 rounded up, 0
             ks = [int(np.ceil(r.ceiling * cycle)) for r in rows]
             return self._planned(rows, ks, gains, explored=True)
@@ -443,7 +450,10 @@ class SpeculationPolicy:
                 ]
             else:
                 probe = [min(k, top - 1) for k in ks]
-            probe = [k if r.fixed is None else r.fixed for r, k in zip(rows, probe, strict=True)]
+            probe = [
+                k if r.fixed is None else min(r.fixed, r.ceiling)
+                for r, k in zip(rows, probe, strict=True)
+            ]
             probe = [max(k, 0) for k in probe]
             if probe != ks:
                 return self._planned(rows, probe, gains, explored=True)
@@ -459,9 +469,10 @@ class SpeculationPolicy:
                 a = self.acceptance.alphas(r.request_id, r.group, r.ceiling)
                 gains[i, 1 : r.ceiling + 1] = 1.0 + np.cumsum(np.cumprod(a))
             if r.fixed is not None:
-                keep = gains[i, r.fixed]
+                fixed = min(r.fixed, r.ceiling)  # a promise above the room left: the room
+                keep = gains[i, fixed]
                 gains[i] = -np.inf
-                gains[i, r.fixed] = keep
+                gains[i, fixed] = keep
         return gains
 
     def _best(self, rows: list[PolicyRow], gains: np.ndarray, caps=None) -> list[int]:
@@ -470,7 +481,7 @@ class SpeculationPolicy:
         cap, T is a constant plus a cost per drafting row and per drafted token)."""
         d, v, r = (c.tolist() for c in self.cost.coefs())
         n, width = gains.shape
-        floor = max((r_.fixed for r_ in rows if r_.fixed is not None), default=0)
+        floor = max((min(r_.fixed, r_.ceiling) for r_ in rows if r_.fixed is not None), default=0)
         caps = np.arange(floor, width) if caps is None else np.maximum(np.asarray(caps), floor)
         k = np.arange(width)
         lags = np.array([r_.lag for r_ in rows], dtype=float)
@@ -511,7 +522,7 @@ class SpeculationPolicy:
 
     def _planned(self, rows, ks, gains: np.ndarray, explored: bool = False) -> Plan:
         ks = [
-            r.fixed if r.fixed is not None else min(max(int(k), 0), r.ceiling)
+            min(r.fixed, r.ceiling) if r.fixed is not None else min(max(int(k), 0), r.ceiling)
             for r, k in zip(rows, ks, strict=True)
         ]
         expected = [float(gains[i, k]) for i, k in enumerate(ks)]

@@ -820,3 +820,40 @@ def test_a_capped_row_is_filed_under_its_rules_delta_0_group(goodput_engine, mon
     assert engine.policy.stats.rows["cactus:0"] == len(after)
     # forgotten while still running (as it became capped), and again as it ended
     assert {i for i, running in forgotten if running} == capped
+
+
+def test_steps_where_no_row_could_draft_do_not_use_the_warm_up_up():
+    """The warm-up (k cycled so every cost coefficient is seen) was counted in decode
+    steps, drafting or not: a server whose first steps ran only rows that could not
+    draft (rule none, rows without a draft actor yet) ended it with an empty draft fit,
+    and its first real choices priced drafting at zero. It now lasts until rows have
+    drafted in 3/4 of warmup_steps steps."""
+    policy = SpeculationPolicy(PolicyConfig(warmup_steps=4, explore_every=1000))
+    plain = [PolicyRow("n", "none", 0)]
+    for _ in range(8):
+        plan = policy.plan(plain)
+        policy.observe_rows(plain, plan.ks, [0], plan.expected_tokens)
+        _observe(policy.cost, plan.ks)
+    assert len(policy.cost.draft) == 0 and policy.cost.steps == 8
+    rows = [PolicyRow("a", "sps", 8)]
+    cycled = []
+    for _ in range(4):
+        plan = policy.plan(rows)
+        cycled.append((plan.ks, plan.explored))
+        policy.observe_rows(rows, plan.ks, [k // 2 for k in plan.ks], plan.expected_tokens)
+        _observe(policy.cost, plan.ks)
+    assert all(explored for _, explored in cycled), cycled  # the warm-up's cycle
+    assert sorted(ks[0] for ks, _ in cycled) == [0, 2, 4, 8], cycled  # K, K/2, K/4, 0
+    assert len(policy.cost.draft) == 3 == policy.cost.drafted_steps
+    assert not policy.plan(rows).explored  # then the cost model chooses
+
+
+def test_a_promised_k_above_the_rows_room_is_cut_to_it():
+    """A row promised k (a remote drafter is drafting it) whose room shrank below it: the
+    plan takes its ceiling, where it raised IndexError (k past every row's ceiling) or
+    planned k tokens the row has no room for."""
+    good = _trained_policy({"a": 0.9})
+    plan = good.plan([PolicyRow("x", "a", 2, fixed=3), PolicyRow("y", "a", 2)])
+    assert plan.ks[0] == 2 and plan.ks[1] <= 2 and all(np.isfinite(plan.expected_tokens))
+    plan = good.plan([PolicyRow("x", "a", 2, fixed=5), PolicyRow("y", "a", 8)])
+    assert plan.ks[0] == 2 and np.isfinite(plan.expected_tokens[0])
