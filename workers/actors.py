@@ -59,7 +59,9 @@ class DraftActor:
         threads: int = 1,
         lease_s: float = 120.0,
         max_num_seqs: int = 32,
+        key: str | None = None,
     ) -> None:
+        """key: every call to its speculation service must carry it (the group's)."""
         import torch
 
         _quiet_hf()
@@ -72,6 +74,7 @@ class DraftActor:
         self.servicer = DraftServicer(LocalDrafter(self.runner), default_lease_s=lease_s)
         self.server = None
         self.port = 0
+        self._key = key
         self.whereabouts = _whereabouts()
 
     async def serve(self, port: int = 0) -> str:
@@ -83,7 +86,9 @@ class DraftActor:
 
         host = ray.util.get_node_ip_address()
         if self.server is None:
-            self.server, self.port = await start_server(self.servicer, host=host, port=port)
+            self.server, self.port = await start_server(
+                self.servicer, host=host, port=port, key=self._key
+            )
             self._leases = asyncio.get_running_loop().create_task(self.servicer.expire_leases())
         return host_port(host, self.port)
 
@@ -188,7 +193,13 @@ class VerifierRank:
             raise
 
     def connect(
-        self, draft_address: str, *, limits=None, scheduler=None, timeout_s: float = 30.0
+        self,
+        draft_address: str,
+        *,
+        limits=None,
+        scheduler=None,
+        timeout_s: float = 30.0,
+        draft_key: str | None = None,
     ) -> None:
         """Rank 0: build the engine over the draft actor and the mirrored verifier; one
         engine-loop thread steps the whole batch."""
@@ -206,7 +217,7 @@ class VerifierRank:
             )
         self.mirror = MirroredRunner(self.runner, self.world_size)
         self.drafter = GrpcDrafter(
-            draft_address, vocab_size=self.runner.vocab_size, timeout_s=timeout_s
+            draft_address, vocab_size=self.runner.vocab_size, timeout_s=timeout_s, key=draft_key
         )
         self.engine = SpeculativeEngine(
             self.drafter,
@@ -228,7 +239,9 @@ class VerifierRank:
         from workers.grpc_drafter import GrpcDrafter
 
         old = self.drafter
-        new = GrpcDrafter(draft_address, vocab_size=self.runner.vocab_size, timeout_s=old.timeout_s)
+        new = GrpcDrafter(
+            draft_address, vocab_size=self.runner.vocab_size, timeout_s=old.timeout_s, key=old.key
+        )
         # The engine takes the new drafter on its loop's thread; if the call fails here
         # (it raised, or outlasted loop.call's wait), `gate` settles whether the engine
         # switched: a call still queued then never switches, one running is waited for.

@@ -25,6 +25,8 @@ bench-distributed; other RPCs wait at most one propose or one prefill chunk).
 from __future__ import annotations
 
 import asyncio
+import hmac
+import math
 import time
 from dataclasses import dataclass
 
@@ -36,9 +38,11 @@ from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from workers.interfaces import ProposeRow
 from workers.local import DRAFT_PREFILL_CHUNK, MAX_DRAFT_TOKENS, LocalDrafter
-from workers.wire import MAX_MESSAGE_BYTES, fill_block, status_code
+from workers.wire import KEY_METADATA, MAX_MESSAGE_BYTES, fill_block, status_code
 
 # Reply bytes beyond its rows (draft_s), and per row beyond its own (tag and length).
+# A session's lease, whatever a caller asks: finite, so a session cannot be held for ever
+MIN_LEASE_S, MAX_LEASE_S = 1.0, 3600.0
 _REPLY_SLACK = 16
 _ROW_OVERHEAD = 6
 
@@ -135,7 +139,8 @@ class DraftServicer(pb_grpc.SpeculationServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(failed))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(failed))
         del self._opening[rid]
-        lease = request.lease_s or self.default_lease_s
+        lease = request.lease_s if math.isfinite(request.lease_s) else 0.0
+        lease = min(max(lease or self.default_lease_s, MIN_LEASE_S), MAX_LEASE_S)
         self.sessions[rid] = _Session(len(ids), lease, time.monotonic())
         return pb.SessionAck(request_id=rid, committed=len(ids))
 
@@ -322,20 +327,43 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+class _KeyCheck(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call that does not carry the group's key."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key.encode()
+
+        async def deny(request, context):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "the draft service takes only its engine's calls"
+            )
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        sent = dict(handler_call_details.invocation_metadata or ()).get(KEY_METADATA, "")
+        sent = sent.encode() if isinstance(sent, str) else sent
+        if hmac.compare_digest(sent, self._key):
+            return await continuation(handler_call_details)
+        return self._deny
+
+
 async def start_server(
     servicer: DraftServicer,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
     max_request_bytes: int = 64 << 20,
+    key: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Requests are small (prompt ids, commits); replies are as large as the servicer
-    lets them be (DraftServicer keeps each under its max_reply_bytes)."""
+    lets them be (DraftServicer keeps each under its max_reply_bytes). `key`: every call
+    must carry it (KEY_METADATA); the engine group makes one per group."""
     options = [
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", getattr(servicer, "max_reply_bytes", MAX_MESSAGE_BYTES)),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=[_KeyCheck(key)] if key else None)
     pb_grpc.add_SpeculationServicer_to_server(servicer, server)
     bound = server.add_insecure_port(host_port(host, port))
     await server.start()

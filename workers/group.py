@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -118,6 +119,9 @@ class EngineGroup:
         self.first_bundle = 0 if placement_group is None else first_bundle
         # Named (namespace "cactus") so operators and tests can find an engine's actors.
         self.name = f"engine-{uuid.uuid4().hex[:8]}"
+        # the draft service's key: only this group's rank 0 may call its draft actor
+        # (the service listens on the node's address; workers/draft_service.py)
+        self._draft_key = secrets.token_hex(16)
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
@@ -201,6 +205,7 @@ class EngineGroup:
             threads=c.threads,
             lease_s=c.lease_s,
             max_num_seqs=c.max_num_seqs,
+            key=self._draft_key,
         )
         self.draft_address = self._wait(self.draft.serve.remote(), "the draft actor did not load")
         status = self._wait(self.draft.status.remote(), "the draft actor did not answer")
@@ -256,6 +261,7 @@ class EngineGroup:
                     policy=c.speculation_policy,
                 ),
                 timeout_s=c.rpc_timeout_s,
+                draft_key=self._draft_key,
             ),
             "rank 0 did not connect to the draft actor",
         )

@@ -44,7 +44,7 @@ from cactus.params import SamplingParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from workers.interfaces import DraftBlock, ProposeRow
-from workers.wire import MAX_MESSAGE_BYTES, decode_block, status_code
+from workers.wire import KEY_METADATA, MAX_MESSAGE_BYTES, decode_block, status_code
 
 log = logging.getLogger("cactus.engine")
 
@@ -61,6 +61,17 @@ def _mapped_errors():
         if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
             raise StaleBlockError(err.details()) from None
         raise WorkerUnavailableError(f"draft actor: {err.code().name}: {err.details()}") from None
+
+
+class _WithKey(grpc.UnaryUnaryClientInterceptor):
+    """Adds the draft service's key (workers/draft_service.py) to every call."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = ((KEY_METADATA, key),)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = (*(details.metadata or ()), *self._metadata)
+        return continuation(details._replace(metadata=metadata), request)
 
 
 @dataclass
@@ -86,6 +97,7 @@ class GrpcDrafter:
         timeout_s: float = 30.0,
         lease_s: float = 120.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        key: str | None = None,
     ) -> None:
         """max_message_bytes: gRPC's largest by default; the draft side keeps each reply
         under its own limit (a block that does not fit fails alone), so a batch never
@@ -101,8 +113,10 @@ class GrpcDrafter:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+        self.key = key  # the draft service's (start_server), sent with every call
         self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = pb_grpc.SpeculationStub(self._channel)
+        channel = grpc.intercept_channel(self._channel, _WithKey(key)) if key else self._channel
+        self._stub = pb_grpc.SpeculationStub(channel)
         # The prefetched ProposeBatch runs here, Open and Close in order on the session
         # lane (module docstring).
         self._senders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft-rpc")

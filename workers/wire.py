@@ -22,6 +22,11 @@ SPARSE_MAX_FILL = 1 / 3
 # sides. The draft side keeps every reply under its own budget (at most this), failing
 # only the rows that do not fit (workers/draft_service.py), so no batch fails whole.
 MAX_MESSAGE_BYTES = (1 << 31) - 1
+# Every call to the draft service carries its engine group's key under this metadata
+# name (workers/draft_service.py start_server's `key`): the service listens on the
+# node's address, so any host of the cluster network could otherwise open, close or
+# draft from the sessions of other requests.
+KEY_METADATA = "x-cactus-draft-key"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 

@@ -20,7 +20,7 @@ from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from tests.conftest import embedded_dirs
 from workers.group import ActorResources, EngineGroup, GroupConfig
-from workers.grpc_drafter import GrpcDrafter
+from workers.grpc_drafter import GrpcDrafter, _WithKey
 from workers.interfaces import ProposeRow
 from workers.tp_verifier import SHM_PREFIX
 
@@ -132,8 +132,11 @@ def _settled_counts(group, within_s: float = 30.0) -> dict:
 def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
     group = groups[1]
     ids = embedded_engine.tokenizer.encode("import os\n")
-    client = GrpcDrafter(group.draft_address, vocab_size=embedded_engine.verifier.vocab_size)
-    stub = pb_grpc.SpeculationStub(grpc.insecure_channel(group.draft_address))
+    client = GrpcDrafter(
+        group.draft_address, vocab_size=embedded_engine.verifier.vocab_size, key=group._draft_key
+    )
+    channel = grpc.insecure_channel(group.draft_address)
+    stub = pb_grpc.SpeculationStub(grpc.intercept_channel(channel, _WithKey(group._draft_key)))
     client.start("proto", ids, SamplingParams(temperature=1.0), seed=5)
     client.flush("proto")  # Open is sent without waiting; wait for it here
     msg = stub.Propose(pb.ProposeRequest(request_id="proto", epoch=len(ids), num_tokens=3))
@@ -177,6 +180,41 @@ def test_stale_or_duplicated_blocks_are_dropped(groups, embedded_engine):
     assert _settled_counts(group)["draft"] == 0
 
 
+def test_the_draft_service_takes_only_its_engines_calls(groups, embedded_engine):
+    """The draft actor's service listens on its node's address: any host of the cluster
+    network could open, close or draft from the sessions of other requests. Every call
+    must now carry the group's key (a random one per group, given to the draft actor and
+    rank 0 only); one without it, or with another, is UNAUTHENTICATED and changes
+    nothing."""
+    group = groups[1]
+    ids = embedded_engine.tokenizer.encode("import os\n")
+    sessions = _settled_counts(group)["draft_sessions"]
+    for key in (None, "not-the-key"):
+        channel = grpc.insecure_channel(group.draft_address)
+        if key:
+            channel = grpc.intercept_channel(channel, _WithKey(key))
+        stub = pb_grpc.SpeculationStub(channel)
+        calls = [
+            (stub.Status, pb.StatusRequest()),
+            (stub.Open, pb.OpenSession(request_id="intruder", prompt_token_ids=ids)),
+            (stub.ProposeBatch, pb.ProposeBatchRequest()),
+            (stub.Close, pb.CloseSession(request_id="intruder")),
+        ]
+        for method, msg in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                method(msg, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, err.value)
+    assert _settled_counts(group)["draft_sessions"] == sessions
+    # the engine's own client (the group's key) is served
+    client = GrpcDrafter(
+        group.draft_address, vocab_size=embedded_engine.verifier.vocab_size, key=group._draft_key
+    )
+    try:
+        assert client.status().vocab_size == embedded_engine.verifier.vocab_size
+    finally:
+        client.close()
+
+
 def test_the_drafter_client_starts_no_thread_per_call(groups, embedded_engine, monkeypatch):
     """Open, the prefetched ProposeBatch and Close go through a few long-lived sender
     threads: grpc's `.future()` started a polling thread for nearly every call (one
@@ -193,7 +231,9 @@ def test_the_drafter_client_starts_no_thread_per_call(groups, embedded_engine, m
     monkeypatch.setattr(threading.Thread, "start", counting_start)
     group = groups[1]
     ids = embedded_engine.tokenizer.encode("import os\n")
-    client = GrpcDrafter(group.draft_address, vocab_size=embedded_engine.verifier.vocab_size)
+    client = GrpcDrafter(
+        group.draft_address, vocab_size=embedded_engine.verifier.vocab_size, key=group._draft_key
+    )
     try:
         for i in range(12):
             rid = f"threads-{i}"

@@ -284,3 +284,34 @@ def test_a_long_prompt_drafts_the_same_in_process_and_through_the_service(
     assert remote_widths[:4] == [64, 64, 64, 7]
     assert got.token_ids == want.token_ids
     assert torch.equal(got.probs, want.probs)
+
+
+def test_a_sessions_lease_is_finite_whatever_the_caller_asks(runner):
+    """`lease_s` came from the caller unchecked: 1e300 or NaN (`now - t > nan` is never
+    true) held a draft row for ever. It now lies in [MIN_LEASE_S, MAX_LEASE_S]; 0 (unset)
+    and a non-finite value take the service's default."""
+    from workers.draft_service import MAX_LEASE_S, MIN_LEASE_S
+
+    servicer = DraftServicer(LocalDrafter(runner), default_lease_s=30.0)
+    asked = {"huge": 1e300, "nan": float("nan"), "inf": float("inf"), "tiny": 1e-9}
+    asked |= {"unset": 0.0, "normal": 45.0}
+    leases = {}
+    for rid, lease in asked.items():
+
+        async def opened(rid=rid, lease=lease):
+            msg = _open(rid, [5, 6, 7])
+            msg.lease_s = lease
+            await servicer.Open(msg, CTX)
+            got = servicer.sessions[rid].lease_s
+            await servicer.Close(pb.CloseSession(request_id=rid), CTX)
+            return got
+
+        leases[rid] = asyncio.run(opened())
+    assert leases == {
+        "huge": MAX_LEASE_S,
+        "nan": 30.0,
+        "inf": 30.0,
+        "tiny": MIN_LEASE_S,
+        "unset": 30.0,
+        "normal": 45.0,
+    }, leases
