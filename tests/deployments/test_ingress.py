@@ -260,6 +260,34 @@ def test_watch_sends_the_status_and_service_unknown_for_an_unknown_service(ray_s
     assert asyncio.run(first(_shim(FakeEngine()), "no.such.Service")) == status.SERVICE_UNKNOWN
 
 
+def test_open_health_watches_are_capped_per_replica(ray_session):
+    """Watch needs no token (probes send none) and each open one holds a request slot:
+    anyone who reached the port could open max_ongoing_requests of them and stall every
+    authenticated request. Beyond limits.max_health_watches a Watch is
+    RESOURCE_EXHAUSTED; one that closes frees its place. Check is not limited."""
+    shim = _shim(FakeEngine(), auth={"token": "t0k"}, limits={"max_health_watches": 2})
+    status = health_pb2.HealthCheckResponse
+
+    async def run():
+        request = health_pb2.HealthCheckRequest(service="")
+        held = [shim.Watch(request, Ctx()) for _ in range(2)]
+        assert [(await anext(w)).status for w in held] == [status.SERVING] * 2
+        ctx = Ctx()
+        with pytest.raises(RequestError):
+            await anext(shim.Watch(request, ctx))
+        assert ctx.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limits.max_health_watches" in ctx.details
+        assert (await shim.Check(request, Ctx())).status == status.SERVING  # not limited
+        await held.pop().aclose()  # a place frees
+        again = shim.Watch(request, Ctx())
+        assert (await anext(again)).status == status.SERVING
+        for w in (*held, again):
+            await w.aclose()
+        return shim.engine.watches
+
+    assert asyncio.run(run()) == 0
+
+
 def test_a_replaced_draft_actor_leaves_the_server_not_serving_and_the_service_serving(
     ray_session,
 ):
