@@ -140,8 +140,8 @@ class LimitsConfig(_Model):
         "longest text prompt accepted (chat: all messages' content together)", 100_000
     )
     max_health_watches: Int = doc(
-        "open grpc.health.v1 Watch calls per replica (Watch needs no token and holds a "
-        "request slot while open); beyond: RESOURCE_EXHAUSTED",
+        "open grpc.health.v1 Watch calls per replica (Watch needs no token and holds one of "
+        "the max_ongoing_requests slots while open); beyond: RESOURCE_EXHAUSTED",
         4,
     )
     max_message_bytes: Int = doc(
@@ -401,11 +401,7 @@ def validate(c: ServeConfig) -> None:
     )
     _check(lim.max_message_bytes >= 1024, "limits.max_message_bytes", "must be >= 1024")
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1")
-    _check(
-        0 <= lim.max_health_watches < lim.max_ongoing_requests,
-        "limits.max_health_watches",
-        "must be >= 0 and below limits.max_ongoing_requests (open Watch calls hold request slots)",
-    )
+    _check(lim.max_health_watches >= 0, "limits.max_health_watches", "must be >= 0")
     _check(lim.request_timeout_s >= 0, "limits.request_timeout_s", "must be >= 0 (0 = no limit)")
     _check(lim.start_timeout_s > 0, "limits.start_timeout_s", "must be > 0")
     b = c.batching

@@ -346,6 +346,11 @@ def _message_text(m, i: int) -> str:
     )
 
 
+# Messages in one chat request, as OpenAI's API allows: the content limit alone let a 4 MiB
+# body carry about 140,000 empty messages, rendered and tokenised on the replica's loop
+MAX_CHAT_MESSAGES = 2048
+
+
 def chat_prompt_ids(body: dict, tokenizer, max_chars: int | None = None) -> list[int]:
     """The chat template's token ids for `messages`. max_chars (limits.max_prompt_chars,
     which bounds a completions prompt) bounds their content, all messages together,
@@ -353,6 +358,10 @@ def chat_prompt_ids(body: dict, tokenizer, max_chars: int | None = None) -> list
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list")
+    if len(messages) > MAX_CHAT_MESSAGES:  # bounds the template's work on the event loop
+        raise InvalidRequestError(
+            "messages", f"at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}"
+        )
     plain = []
     total = 0
     for i, m in enumerate(messages):
@@ -806,6 +815,19 @@ def build_routes(ingress, tokenize, logger):
                 if body.get("stream"):
                     raise InvalidRequestError(
                         "stream", "streaming more than one prompt is not supported"
+                    )
+                # Serve admits the HTTP request as one: its prompts must not push the
+                # replica's requests past what Serve would admit one by one
+                # (max_ongoing_requests + max_queued_requests), or a few calls would put
+                # thousands of requests in rank 0's queue
+                lim = ingress.config.limits
+                bound = lim.max_ongoing_requests + lim.max_queued_requests
+                if ingress.metrics._running + len(reqs) > bound:
+                    raise OpenAIError(
+                        429,
+                        f"{len(reqs)} prompts would put this replica past {bound} requests "
+                        f"({ingress.metrics._running} running; limits.max_ongoing_requests + "
+                        "limits.max_queued_requests): retry, or send fewer prompts at once",
                     )
                 reqs = [replace(r, request_id=f"{r.request_id}-{i}") for i, r in enumerate(reqs)]
                 return JSONResponse(shape.batch(reqs, await batch(reqs, start)))

@@ -83,7 +83,6 @@ def test_cluster_example_is_multi_node():
         ({"limits": {"start_timeout_s": 0.0}}, "limits.start_timeout_s"),
         ({"limits": {"max_prompt_chars": 0}}, "limits.max_prompt_chars"),
         ({"limits": {"max_health_watches": -1}}, "limits.max_health_watches"),
-        ({"limits": {"max_health_watches": 32}}, "limits.max_health_watches"),  # every slot
         ({"limits": {"max_queued_requests": -1}}, "limits.max_queued_requests"),  # unbounded
         ({"resources": {"draft": {"num_cpus": -0.5}}}, "resources.draft.num_cpus"),
         ({"resources": {"verifier_rank": {"num_gpus": -1.0}}}, "resources.verifier_rank.num_gpus"),

@@ -906,3 +906,39 @@ def test_an_http_stream_left_during_its_final_event_counts_as_finished():
 
     asyncio.run(go())
     assert done == [result] and ended == [] and cancelled == []
+
+
+def test_a_batch_of_prompts_cannot_push_a_replica_past_what_serve_would_admit(ray_session):
+    """Serve admits an HTTP request as one request, whatever its prompts: 32 calls of 64
+    prompts put 2,048 requests in rank 0's queue. A batch is now 429 (Retry-After) when
+    its prompts would take the replica's requests past max_ongoing_requests +
+    max_queued_requests; within it, every prompt runs."""
+    shim, app = _app(limits={"max_ongoing_requests": 4, "max_queued_requests": 4})
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": ["x"] * 8}, headers=headers)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 8, reply.text
+    shim.metrics._running = 3  # three requests already running on the replica
+    seen = len(shim.engine.seen)
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": ["x"] * 6}, headers=headers)
+    assert reply.status_code == 429 and reply.headers["Retry-After"] == "1", reply.text
+    assert "limits.max_ongoing_requests" in reply.json()["error"]["message"]
+    assert len(shim.engine.seen) == seen  # none of its prompts reached the engine
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": ["x"] * 5}, headers=headers)
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_chat_request_has_at_most_openais_2048_messages(ray_session):
+    """The content limit alone let a 4 MiB body carry about 140,000 empty messages, which
+    the template rendered and the tokenizer encoded on the replica's event loop."""
+    from deployments.openai_api import MAX_CHAT_MESSAGES
+
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    many = [{"role": "user", "content": ""}] * (MAX_CHAT_MESSAGES + 1)
+    reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": many}, headers=headers)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages", reply.text
+    assert str(MAX_CHAT_MESSAGES) in reply.json()["error"]["message"]
+    ok = [{"role": "user", "content": "hi"}] * 3
+    reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": ok}, headers=headers)
+    assert reply.status_code == 200, reply.text
