@@ -63,7 +63,8 @@ def _client_parser(sub) -> None:
         "--token",
         default=os.environ.get("CACTUS_AUTH_TOKEN"),
         help="bearer token, sent as `authorization: Bearer <token>` metadata "
-        "(default: the CACTUS_AUTH_TOKEN environment variable, if set)",
+        "(default: the CACTUS_AUTH_TOKEN environment variable, if set; prefer it: a "
+        "--token value shows in other users' `ps`)",
     )
     # every field's default is None: unset, the server's default (README, Python client)
     p.add_argument("--rule", default=None, help="unset: speculation.default_rule")
