@@ -192,9 +192,9 @@ class BatchingConfig(_Model):
         512,
     )
     kv_budget_tokens: Int | None = doc(
-        "verifier KV-cache slots per replica (rows x longest reservation); a request that "
-        "does not fit waits (one above the whole budget: INVALID_ARGUMENT on max_tokens). "
-        "null = max_num_seqs x the model's context",
+        "KV-cache slots per replica (rows x longest reservation), the verifier's and the "
+        "draft actor's each; a request that does not fit waits (one above the whole budget: "
+        "INVALID_ARGUMENT on max_tokens). null = max_num_seqs x the model's context",
         None,
     )
     batch_wait_ms: Float = doc(

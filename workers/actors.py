@@ -60,8 +60,11 @@ class DraftActor:
         lease_s: float = 120.0,
         max_num_seqs: int = 32,
         key: str | None = None,
+        kv_budget_tokens: int | None = None,
     ) -> None:
-        """key: every call to its speculation service must carry it (the group's)."""
+        """key: every call to its speculation service must carry it (the group's).
+        kv_budget_tokens: its KV cache's slots, as the verifier's (batching.kv_budget_tokens:
+        the sessions are the verifier's requests, with the same reservations)."""
         import torch
 
         _quiet_hf()
@@ -70,7 +73,13 @@ class DraftActor:
         from workers.draft_service import DraftServicer
         from workers.local import LocalDrafter
 
-        self.runner = BatchRunner(draft_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs)
+        self.runner = BatchRunner(
+            draft_dir,
+            dtype=dtype,
+            device=device,
+            max_num_seqs=max_num_seqs,
+            kv_budget_tokens=kv_budget_tokens,
+        )
         self.servicer = DraftServicer(LocalDrafter(self.runner), default_lease_s=lease_s)
         self.server = None
         self.port = 0

@@ -206,6 +206,7 @@ class EngineGroup:
             lease_s=c.lease_s,
             max_num_seqs=c.max_num_seqs,
             key=self._draft_key,
+            kv_budget_tokens=c.kv_budget_tokens,
         )
         self.draft_address = self._wait(self.draft.serve.remote(), "the draft actor did not load")
         status = self._wait(self.draft.status.remote(), "the draft actor did not answer")

@@ -118,3 +118,44 @@ def test_a_gang_restart_removes_the_killed_ranks_shm_buffers_and_only_theirs(
     assert sorted(shutdown_rank(1, master_port=29503)) == sorted(str(p) for p in mine)
     assert all(p.exists() for p in theirs)
     assert shutdown_rank(1, master_port=None) == []
+
+
+def test_the_draft_actor_gets_the_groups_kv_budget_and_key(monkeypatch):
+    """configs/cluster.yaml's kv_budget_tokens bounds the draft actor's cache too (its
+    sessions are the verifier's requests): the draft actor was started without it, so its
+    cache could grow to max_num_seqs x the draft model's context. It also gets the key
+    its service checks (the group's)."""
+    import ray
+
+    from workers import actors
+    from workers.group import EngineGroup, GroupConfig
+
+    seen = {}
+
+    class Handle:
+        class serve:
+            @staticmethod
+            def remote():
+                return "serve"
+
+        class status:
+            @staticmethod
+            def remote():
+                return "status"
+
+    def options(**kw):
+        def remote(*args, **kwargs):
+            seen.update(kwargs)
+            return Handle()
+
+        return type("Opts", (), {"remote": staticmethod(remote)})
+
+    monkeypatch.setattr(actors.DraftActor, "options", options)
+    answers = {"serve": "127.0.0.1:1", "status": {"node_id": "n1", "process": {"pid": 1}}}
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: answers[ref])
+    group = EngineGroup(GroupConfig("verifier", "draft", kv_budget_tokens=4096))
+    monkeypatch.setattr(group, "_in_bundle", lambda index: None)
+    group._start_draft()
+    assert seen["kv_budget_tokens"] == 4096 and seen["max_num_seqs"] == group.config.max_num_seqs
+    assert seen["key"] == group._draft_key and len(group._draft_key) == 32
+    assert group.draft_address == "127.0.0.1:1"
