@@ -235,7 +235,8 @@ class Chaos:
         # a draft actor's replacement must not
         with self.lock:
             statuses = {s for at, s, _ in self.health if at >= start}
-        record["health_left_serving"] = statuses != {"SERVING"}
+        if statuses:  # (no sample since the fault: not measured, printed "-")
+            record["health_left_serving"] = statuses != {"SERVING"}
         if fault.startswith("hang-"):
             record["stopped_process_ended"] = not is_running(self.stopped[-1])
         return record

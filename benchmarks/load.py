@@ -99,10 +99,14 @@ class ServerProcess:
         that hangs before READY without printing anything still fails at the deadline
         (the process is then stopped by `stop`, which the callers run in `finally`)."""
         lines: queue.Queue[str | None] = queue.Queue()
+        ready = threading.Event()
 
-        def read() -> None:
+        def read() -> None:  # then drains the pipe for the server's life, keeping nothing
             for line in self.proc.stdout:
-                lines.put(line)
+                if not ready.is_set():
+                    lines.put(line)
+                    if line.startswith("READY"):
+                        ready.set()
             lines.put(None)  # end of output: the server exited
 
         threading.Thread(target=read, daemon=True).start()
@@ -116,7 +120,7 @@ class ServerProcess:
             if line is None:
                 break
             if line.startswith("READY"):
-                self.ready_line = line  # the reader thread keeps draining the pipe
+                self.ready_line = line
                 return
             seen = [*seen[-29:], line]
         raise RuntimeError(

@@ -80,7 +80,7 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         raise InvalidRequestError(
             "request_id",
             f"must be at most {MAX_REQUEST_ID_CHARS} printable characters, got {len(rid)}"
-            + ("" if rid.isprintable() else " with a control character"),
+            + ("" if rid.isprintable() else " with a non-printable character"),
         )
     s, sp = msg.sampling, msg.speculation
     sampling = SamplingParams(

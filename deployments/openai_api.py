@@ -749,16 +749,47 @@ def build_routes(ingress, tokenize, logger):
 
     async def batch(reqs: list, start: float) -> list:
         """Every prompt's request at once (the engine batches them); one that fails
-        fails the response and cancels the rest, as a client that goes away does."""
+        fails the response and cancels the rest, as a client that goes away does.
+
+        Serve admits the HTTP request as one, whatever its prompts: they must not push
+        the replica's running requests past what Serve would admit one by one
+        (max_ongoing_requests + max_queued_requests), or a few calls would put thousands
+        of requests in rank 0's queue. The check and the prompts' counting as running
+        happen before any await, so concurrent batches cannot all pass one check."""
         import asyncio
 
-        async def one(req):
-            with ingress.metrics.running():  # each prompt is a running request
+        lim = ingress.config.limits
+        bound = lim.max_ongoing_requests + lim.max_queued_requests
+        where = "limits.max_ongoing_requests + limits.max_queued_requests"
+        if len(reqs) > bound:  # never fits, however long the client waits
+            raise InvalidRequestError(
+                "prompt", f"at most {bound} prompts on this server ({where}), got {len(reqs)}"
+            )
+        if ingress.metrics._running + len(reqs) > bound:
+            raise OpenAIError(
+                429,
+                f"{len(reqs)} prompts would put this replica past {bound} requests "
+                f"({ingress.metrics._running} running; {where}): retry, or send fewer at once",
+            )
+        slots = [ingress.metrics.running() for _ in reqs]  # each prompt is a running request
+        for slot in slots:
+            slot.__enter__()
+        held = [True] * len(reqs)
+
+        def release(i: int) -> None:
+            if held[i]:
+                held[i] = False
+                slots[i].__exit__(None, None, None)
+
+        async def one(i, req):
+            try:
                 result = await ingress.engine.agenerate(req)
+            finally:
+                release(i)
             ingress.metrics.finished(req, result, start, unary=True)
             return result
 
-        tasks = [asyncio.ensure_future(one(req)) for req in reqs]
+        tasks = [asyncio.ensure_future(one(i, req)) for i, req in enumerate(reqs)]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:  # a request failed, or the client went away
@@ -773,6 +804,9 @@ def build_routes(ingress, tokenize, logger):
                 ingress.engine.cancel(req.request_id)
                 ingress.metrics.ended(req, "CANCELLED")
             raise
+        finally:  # a task cancelled before it ran never reached its own release
+            for i in range(len(reqs)):
+                release(i)
 
     async def generate(http: Request, chat: bool):
         import asyncio
@@ -815,19 +849,6 @@ def build_routes(ingress, tokenize, logger):
                 if body.get("stream"):
                     raise InvalidRequestError(
                         "stream", "streaming more than one prompt is not supported"
-                    )
-                # Serve admits the HTTP request as one: its prompts must not push the
-                # replica's requests past what Serve would admit one by one
-                # (max_ongoing_requests + max_queued_requests), or a few calls would put
-                # thousands of requests in rank 0's queue
-                lim = ingress.config.limits
-                bound = lim.max_ongoing_requests + lim.max_queued_requests
-                if ingress.metrics._running + len(reqs) > bound:
-                    raise OpenAIError(
-                        429,
-                        f"{len(reqs)} prompts would put this replica past {bound} requests "
-                        f"({ingress.metrics._running} running; limits.max_ongoing_requests + "
-                        "limits.max_queued_requests): retry, or send fewer prompts at once",
                     )
                 reqs = [replace(r, request_id=f"{r.request_id}-{i}") for i, r in enumerate(reqs)]
                 return JSONResponse(shape.batch(reqs, await batch(reqs, start)))

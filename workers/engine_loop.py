@@ -88,6 +88,10 @@ class EngineLoop:
         # every request gets an EngineFailedError (the supervisor rebuilds the engine and
         # resumes them), and `alive` turns False for the rank's ping.
         self.failed: BaseException | None = None
+        # set by the loop's thread just before its last look at the inbox: a caller
+        # whose item may have arrived after that look answers it itself (_late)
+        self._closed = threading.Event()
+        self._ending: BaseException = EngineLoopStopped("the engine loop was shut down")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -101,6 +105,7 @@ class EngineLoop:
         out: queue.SimpleQueue = queue.SimpleQueue()
         sink = _final_only(out.put) if final_only else out.put
         self._inbox.put((request, cancelled, sink))
+        self._late()
         return self._drain(out)
 
     def call(self, fn: Callable, timeout_s: float = 60.0):
@@ -108,6 +113,7 @@ class EngineLoop:
         self._refuse_if_stopped()
         done: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox.put(_Call(fn, done))
+        self._late()
         ok, value = done.get(timeout=timeout_s)
         if not ok:
             raise value
@@ -117,6 +123,24 @@ class EngineLoop:
     def alive(self) -> bool:
         """The loop's thread runs and has not failed (a shut-down loop is not alive)."""
         return self.failed is None and self._thread.is_alive()
+
+    def _late(self) -> None:
+        """An item put after the loop's last look at its inbox would wait for ever:
+        once the loop has closed, the caller answers what is left (each item is taken
+        from the queue once, by whichever side takes it)."""
+        if self._closed.is_set():
+            self._answer_queued(self._ending)
+
+    def _answer_queued(self, ending: BaseException) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                return
+            if isinstance(item, _Call):
+                item.done.put((False, ending))
+            elif item is not _END:
+                item[2](ending)
 
     def _refuse_if_stopped(self) -> None:
         if self.failed is not None:
@@ -181,16 +205,10 @@ class EngineLoop:
         if self.failed is not None:
             ending = _broken(self.failed)
             self.engine.abandon_all(ending)  # answers them without touching their rows
+        self._ending = ending
         self._stopped.set()
-        while True:  # answer everything still queued
-            try:
-                item = self._inbox.get(block=False)
-            except queue.Empty:
-                return
-            if isinstance(item, _Call):
-                item.done.put((False, ending))
-            elif item is not _END:
-                item[2](ending)
+        self._closed.set()
+        self._answer_queued(ending)  # everything still queued
 
     def _serve(self) -> None:
         while not self._stopped.is_set():

@@ -325,7 +325,8 @@ class EngineGroup:
         from workers.tp_verifier import shm_prefix
 
         (port, nodes), self._shm = self._shm, None
-        remove_files(shm_prefix(port), nodes, timeout_s=self.config.rpc_timeout_s)
+        # a short bound: this runs inside a gang restart, which requests wait for
+        remove_files(shm_prefix(port), nodes, timeout_s=min(10.0, self.config.rpc_timeout_s))
 
     def _restart_ranks(self) -> None:
         self._end(self.ranks, self._processes.pop("ranks", []))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -142,9 +143,10 @@ def remove_files(
                 refs.append(_remove_on_node.options(scheduling_strategy=strategy).remote(prefix))
     except Exception:
         logger.warning("could not remove %s* on nodes %s", prefix, node_ids, exc_info=True)
+    deadline = time.monotonic() + timeout_s  # for all the nodes together
     for ref in refs:
         try:
-            removed += ray.get(ref, timeout=timeout_s)
-        except Exception:  # the node is gone, and its /dev/shm with it
+            removed += ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # the node is gone (its /dev/shm with it), or slow to answer
             logger.warning("could not remove %s* on a node", prefix, exc_info=True)
     return removed

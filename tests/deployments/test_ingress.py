@@ -636,7 +636,10 @@ def test_a_request_id_too_long_or_with_a_control_character_is_invalid_argument(r
 
     engine = FakeEngine()
     shim = _shim(engine)
-    for rid, why in (("x" * (MAX_REQUEST_ID_CHARS + 1), "257"), ("a\nb", "control character")):
+    for rid, why in (
+        ("x" * (MAX_REQUEST_ID_CHARS + 1), "257"),
+        ("a\nb", "non-printable character"),
+    ):
         for call in ("unary", "stream"):
             msg = CactusClient.request("x", request_id=rid)
             ctx = Ctx()

@@ -925,6 +925,29 @@ def test_a_batch_of_prompts_cannot_push_a_replica_past_what_serve_would_admit(ra
     assert len(shim.engine.seen) == seen  # none of its prompts reached the engine
     reply = _raw(app, "POST", "/v1/completions", json={"prompt": ["x"] * 5}, headers=headers)
     assert reply.status_code == 200, reply.text
+    # more prompts than the bound itself: no retry can help, so a 400 naming the field
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": ["x"] * 9}, headers=headers)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
+    shim.metrics._running = 0
+
+    # two batches at once: the check and the prompts' counting happen before any await,
+    # so they cannot both pass one check (5 + 5 > 8)
+    class Slow(FakeEngine):
+        async def agenerate(self, req):
+            await asyncio.sleep(0.3)
+            return await super().agenerate(req)
+
+    shim.engine.inner = Slow()
+
+    async def both():
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://cactus.test") as c:
+            body = {"prompt": ["x"] * 5}
+            calls = [c.post("/v1/completions", json=body, headers=headers) for _ in range(2)]
+            return sorted(r.status_code for r in await asyncio.gather(*calls))
+
+    assert asyncio.run(both()) == [200, 429]
+    assert shim.metrics._running == 0  # every prompt's slot released
 
 
 def test_a_chat_request_has_at_most_openais_2048_messages(ray_session):

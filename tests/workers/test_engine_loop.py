@@ -422,3 +422,30 @@ def test_a_loop_that_cannot_end_a_failed_steps_requests_answers_them_all_and_sto
             rank.ping()  # the supervisor's probe then rebuilds the group
     finally:
         loop.shutdown(timeout_s=5)
+
+
+def test_a_submit_that_lands_after_the_loops_last_look_is_answered(embedded_engine):
+    """A caller checks that the loop runs, then puts its request; if the loop stopped and
+    emptied its inbox for the last time between the two, nobody would answer it. The
+    caller now answers what is left once the loop has closed. (The window is emulated:
+    the stopped flag is cleared again, as a caller that checked it just before saw it.)"""
+    loop = EngineLoop(embedded_engine)
+    loop.shutdown()
+    loop._stopped.clear()  # what a caller saw just before the shutdown
+    outcome = []
+
+    def late():
+        try:
+            list(loop.submit(_req("def f(x):", "late")))
+        except BaseException as err:
+            outcome.append(err)
+        try:
+            loop.call(lambda engine: 1, timeout_s=30)
+        except BaseException as err:
+            outcome.append(err)
+
+    caller = threading.Thread(target=late, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive(), "a late caller was left waiting"
+    assert len(outcome) == 2 and all(isinstance(e, EngineLoopStopped) for e in outcome)
