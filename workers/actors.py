@@ -249,7 +249,10 @@ class VerifierRank:
 
         old = self.drafter
         new = GrpcDrafter(
-            draft_address, vocab_size=self.runner.vocab_size, timeout_s=old.timeout_s, key=old.key
+            draft_address,
+            vocab_size=self.runner.vocab_size,
+            timeout_s=old.timeout_s,
+            key=old.key,  # the group's, as the first drafter had it
         )
         # The engine takes the new drafter on its loop's thread; if the call fails here
         # (it raised, or outlasted loop.call's wait), `gate` settles whether the engine
