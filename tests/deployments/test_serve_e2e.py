@@ -632,7 +632,7 @@ def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
     """A cancelled gRPC stream stops in the engine. Ray Serve 2.60's gRPC proxy loses a
     cancel that lands while it is writing a chunk to the client (its
     send_request_to_replica ends on GeneratorExit without cancelling the replica call;
-    seen once in a full `make test`), so the request carries a time limit that ends it
+    met in most full `make test` runs here), so the request carries a time limit that ends it
     if so, and the test tries up to CANCEL_TRIES times: a cancellation that never reaches the
     engine fails all three."""
     client = server.client()
