@@ -5,7 +5,8 @@
     POST /v1/chat/completions     (the tokenizer's chat template; none: 400)
 
 The request bodies follow OpenAI's API as vLLM serves it: `max_tokens`, `temperature`,
-`top_p`, `seed`, `stop`, `n` (1 only), `stream` (server-sent events ending in
+`top_p`, `seed`, `stop`, `n` (up to 64 choices, prompts x n, each a request of its
+own, streamed or not), `stream` (server-sent events ending in
 `data: [DONE]`), `stream_options.include_usage`, plus vLLM's `top_k` and this project's
 extras (`rule`, `delta`, `num_speculative_tokens`, `max_divergence_nats`,
 `time_limit_s`) and vLLM's `stop_token_ids`, which an OpenAI client passes as
@@ -186,9 +187,11 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         # null is "unset" whatever the name (clients send `"tools": null` and the like)
         if name not in allowed and value is not None:
             raise InvalidRequestError(name, "unknown field")
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise InvalidRequestError("n", f"only n = 1 is supported, got {n!r}")
+    n = body.get("n")
+    if n is not None and (
+        isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES
+    ):
+        raise InvalidRequestError("n", f"must be an integer in [1, {MAX_CHOICES}], got {n!r}")
     if body.get("best_of") not in (None, 1):
         raise InvalidRequestError("best_of", "only best_of = 1 is supported")
     if body.get("echo"):
@@ -394,7 +397,10 @@ def chat_prompt_ids(body: dict, tokenizer, max_chars: int | None = None) -> list
     return [int(t) for t in ids]
 
 
-MAX_PROMPTS = 64  # prompts in one completions request (each is a request of its own)
+# Choices in one response, prompts x n: each is a request of its own (vLLM bounds neither;
+# Serve admits the call as one request, so the replica's bound applies too: `batch`)
+MAX_CHOICES = 64
+MAX_PROMPTS = MAX_CHOICES  # prompts in one completions request
 
 
 def _is_ids(value) -> bool:
@@ -457,6 +463,23 @@ def usage(result) -> dict:
     }
 
 
+def nth_seed(sampling: SamplingParams, j: int) -> SamplingParams:
+    """The sampling of a prompt's j-th choice (n > 1): seed + j, modulo 2^64; unseeded
+    choices each get a seed of their own from the engine."""
+    if j == 0 or sampling.seed is None:
+        return sampling
+    from dataclasses import replace
+
+    return replace(sampling, seed=(sampling.seed + j) % 2**64)
+
+
+def usage_total(results) -> dict:
+    """Several choices' usage, summed (as OpenAI and vLLM count it: each choice's
+    prompt counts once per choice, as each choice is a request of its own)."""
+    each = [usage(result) for result in results]
+    return {key: sum(u[key] for u in each) for key in each[0]}
+
+
 def _sse(payload) -> str:
     text = payload if isinstance(payload, str) else json.dumps(payload)
     return f"data: {text}\n\n"
@@ -468,7 +491,8 @@ class Shape:
     def __init__(self, chat: bool, model: str, request_id: str, tokenizer=None) -> None:
         self.chat, self.model, self.id = chat, model, request_id
         self.tokenizer = tokenizer
-        self.text_offset = 0  # completions' text_offset runs over the whole completion
+        # completions' text_offset runs over a choice's whole completion, per choice index
+        self.text_offsets: dict[int, int] = {}
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -481,7 +505,7 @@ class Shape:
             "choices": choices,
         }
 
-    def logprobs(self, entries) -> dict | None:
+    def logprobs(self, entries, index: int = 0) -> dict | None:
         """OpenAI's shapes: chat {"content": [{token, logprob, bytes, top_logprobs}]},
         completions {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
         if entries is None:
@@ -503,10 +527,11 @@ class Shape:
                 ]
             }
         tokens = [decode(e.token_id) for e in entries]
-        offsets = []
+        offsets, at = [], self.text_offsets.get(index, 0)
         for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(at)
+            at += len(token)
+        self.text_offsets[index] = at
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
@@ -516,8 +541,8 @@ class Shape:
 
     def choice(self, result, index: int = 0) -> dict:
         finish = FINISH.get(result.finish_reason, "stop")
-        self.text_offset = 0
-        logprobs = self.logprobs(result.logprobs)
+        self.text_offsets[index] = 0
+        logprobs = self.logprobs(result.logprobs, index)
         if self.chat:
             return {
                 "index": index,
@@ -541,18 +566,20 @@ class Shape:
         for i, (request, result) in enumerate(zip(requests, results, strict=True)):
             choices.append({**self.choice(result, i), "cactus": cactus_stats(request, result)})
         out = self._envelope(self.object, choices)
-        each = [usage(result) for result in results]
-        out["usage"] = {key: sum(u[key] for u in each) for key in each[0]}
+        out["usage"] = usage_total(results)
         out["system_fingerprint"] = None
         return out
 
-    def delta(self, text: str, finish: str | None, *, first: bool = False, logprobs=None) -> dict:
-        logprobs = self.logprobs(logprobs)
+    def delta(
+        self, text: str, finish: str | None, *, first: bool = False, logprobs=None, index: int = 0
+    ) -> dict:
+        """One choice's chunk (`index`: its place among the response's choices)."""
+        logprobs = self.logprobs(logprobs, index)
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, request, result) -> dict:
@@ -560,6 +587,14 @@ class Shape:
         out = self._envelope(obj, [])
         out["usage"] = usage(result)
         out["cactus"] = cactus_stats(request, result)
+        return out
+
+    def usage_total_chunk(self, results) -> dict:
+        """The usage chunk of a stream of several choices: usage summed (each choice's
+        `cactus` object came with its finishing chunk)."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        out = self._envelope(obj, [])
+        out["usage"] = usage_total(results)
         return out
 
 
@@ -576,6 +611,9 @@ async def sse_events(
     running=contextlib.nullcontext,
     on_end=lambda reason: None,
     sent=None,
+    index: int = 0,
+    last: bool = True,
+    on_error=lambda: None,
 ) -> AsyncIterator[str]:
     """Server-sent events from the engine's chunks; `first` was already awaited (so a
     failure before the first token became an HTTP status, not an event). A stream that
@@ -585,12 +623,15 @@ async def sse_events(
     `on_token` is called for every later chunk with tokens (inter-token latency);
     `on_end("ERROR" | "CANCELLED")` for a stream that ends without its result. With
     `include_usage`, every chunk before the usage chunk has `"usage": null` (OpenAI's
-    shape). sent: as for as_openai_error, the error event's field as the client sent it."""
+    shape). sent: as for as_openai_error, the error event's field as the client sent it.
+    index: the choice's index. last=False: one choice of several (merged_events), whose
+    response is not over when this choice is: no usage chunk and no `[DONE]`, and
+    `on_error()` is called before a failure's error event."""
     finished = False  # the engine's final result came: nothing left to cancel
     counted = False  # on_done or on_end was called
 
     def event(text: str, finish: str | None, first: bool, logprobs) -> dict:
-        out = shape.delta(text, finish, first=first, logprobs=logprobs)
+        out = shape.delta(text, finish, first=first, logprobs=logprobs, index=index)
         if include_usage:
             out["usage"] = None
         return out
@@ -604,29 +645,32 @@ async def sse_events(
                 if chunk.result is not None:
                     finished = True
                     finish = FINISH.get(chunk.result.finish_reason, "stop")
-                    last = event(chunk.text, finish, is_first, chunk.logprobs)
-                    last["cactus"] = cactus_stats(request, chunk.result)
+                    final = event(chunk.text, finish, is_first, chunk.logprobs)
+                    final["cactus"] = cactus_stats(request, chunk.result)
                     # counted before it goes out, as the gRPC stream does: the request
                     # finished in the engine even if its client leaves during this write
                     counted = True
                     on_done(chunk.result)
-                    yield _sse(last)
-                    if include_usage:
+                    yield _sse(final)
+                    if include_usage and last:
                         yield _sse(shape.usage_chunk(request, chunk.result))
                     break
                 if chunk.text or is_first or chunk.logprobs:
                     yield _sse(event(chunk.text, None, is_first, chunk.logprobs))
                     is_first = False
                 chunk = await anext(rest, None)
-        yield _sse("[DONE]")
+        if last:
+            yield _sse("[DONE]")
     except Exception as err:  # headers are out: the failure goes in the stream
         if not counted:
             counted = True
             reason = failure_reason(err)  # a drain's cut: CANCELLED
             if reason is not None:
                 on_end(reason)
+        on_error()
         yield _sse(stream_error(as_openai_error(err, request.request_id, sent)))
-        yield _sse("[DONE]")
+        if last:
+            yield _sse("[DONE]")
     finally:
         if not finished:
             cancel(request.request_id)
@@ -636,6 +680,49 @@ async def sse_events(
         if aclose is not None:
             with contextlib.suppress(Exception):  # the response is over either way
                 await aclose()
+
+
+async def merged_events(choices: list, failed: set, tail, close) -> AsyncIterator[str]:
+    """Several choices' events (sse_events with last=False) in one stream, as they come;
+    each choice's own events stay in order. A choice in `failed` has sent its error
+    event: the response ends there. `tail()`: the events after every choice finished
+    (the usage chunk). Whatever ends the stream (its end, a failure, the client going
+    away), `close()` then cancels and counts every choice that had not ended."""
+    import asyncio
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, events) -> None:
+        try:
+            async for event in events:
+                queue.put_nowait((i, event))
+        except Exception as err:  # a bug of ours in a choice's events, not the engine's
+            queue.put_nowait((i, err))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(choices)]
+    try:
+        left = len(tasks)
+        while left:
+            i, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
+            if event is not None:
+                yield event
+                continue
+            left -= 1
+            if i in failed:  # its error event went out (a choice's events come in order)
+                break
+        else:
+            for event in tail():
+                yield event
+        yield _sse("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close()
 
 
 async def read_json(http: Request, limit: int):
@@ -747,31 +834,28 @@ def build_routes(ingress, tokenize, logger):
             return fail(err, "")
         return model_card(model)
 
-    async def batch(reqs: list, start: float) -> list:
-        """Every prompt's request at once (the engine batches them); one that fails
-        fails the response and cancels the rest, as a client that goes away does.
-
-        Serve admits the HTTP request as one, whatever its prompts: they must not push
-        the replica's running requests past what Serve would admit one by one
-        (max_ongoing_requests + max_queued_requests), or a few calls would put thousands
-        of requests in rank 0's queue. The check and the prompts' counting as running
-        happen before any await, so concurrent batches cannot all pass one check."""
-        import asyncio
-
+    def admit(reqs: list, field: str):
+        """Count every choice's request as running now, before any await (so concurrent
+        calls cannot all pass one check), or refuse them all. Serve admits the HTTP
+        request as one, whatever its choices: they must not push the replica's running
+        requests past what Serve would admit one by one (max_ongoing_requests +
+        max_queued_requests), or a few calls would put thousands of requests in rank
+        0's queue. Returns release(i), which ends choice i's count (once)."""
         lim = ingress.config.limits
         bound = lim.max_ongoing_requests + lim.max_queued_requests
         where = "limits.max_ongoing_requests + limits.max_queued_requests"
+        what = "prompts" if field == "prompt" else "choices (prompts x n)"
         if len(reqs) > bound:  # never fits, however long the client waits
             raise InvalidRequestError(
-                "prompt", f"at most {bound} prompts on this server ({where}), got {len(reqs)}"
+                field, f"at most {bound} {what} on this server ({where}), got {len(reqs)}"
             )
         if ingress.metrics._running + len(reqs) > bound:
             raise OpenAIError(
                 429,
-                f"{len(reqs)} prompts would put this replica past {bound} requests "
+                f"{len(reqs)} {what} would put this replica past {bound} requests "
                 f"({ingress.metrics._running} running; {where}): retry, or send fewer at once",
             )
-        slots = [ingress.metrics.running() for _ in reqs]  # each prompt is a running request
+        slots = [ingress.metrics.running() for _ in reqs]  # each choice is a running request
         for slot in slots:
             slot.__enter__()
         held = [True] * len(reqs)
@@ -780,6 +864,15 @@ def build_routes(ingress, tokenize, logger):
             if held[i]:
                 held[i] = False
                 slots[i].__exit__(None, None, None)
+
+        return release
+
+    async def batch(reqs: list, start: float, field: str) -> list:
+        """Every choice's request at once (the engine batches them); one that fails
+        fails the response and cancels the rest, as a client that goes away does."""
+        import asyncio
+
+        release = admit(reqs, field)
 
         async def one(i, req):
             try:
@@ -807,6 +900,106 @@ def build_routes(ingress, tokenize, logger):
         finally:  # a task cancelled before it ran never reached its own release
             for i in range(len(reqs)):
                 release(i)
+
+    async def streams(reqs: list, start: float, field: str, shape, body, sent):
+        """Several choices streamed in one response (a batch of prompts, or n > 1), each
+        choice's chunks carrying its index, in the order they come. Every choice's first
+        chunk is awaited before the response starts, so a failure before any token is
+        an HTTP status, as for one choice (the rest are cancelled). After that, a choice
+        that fails sends its error event and ends the response, cancelling the rest."""
+        import asyncio
+
+        release = admit(reqs, field)
+        engine = ingress.engine
+        ended = [False] * len(reqs)  # counted (finished or ended), released
+        results: list = [None] * len(reqs)
+        its = [engine.astream(req) for req in reqs]
+
+        def end(i: int, reason: str | None) -> None:
+            if not ended[i]:
+                ended[i] = True
+                if reason is not None:
+                    ingress.metrics.ended(reqs[i], reason)
+            release(i)
+
+        async def close_all() -> None:
+            for i, req in enumerate(reqs):
+                if not ended[i]:
+                    engine.cancel(req.request_id)
+                    end(i, "CANCELLED")
+            for it in its:
+                aclose = getattr(it, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):  # the response is over either way
+                        await aclose()
+
+        tasks = [asyncio.ensure_future(anext(it)) for it in its]
+        try:
+            firsts = await asyncio.gather(*tasks)
+        except BaseException:  # a choice failed before its first token, or the client left
+            for i, task in enumerate(tasks):
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    end(i, failure_reason(task.exception()))  # None: refused, not counted
+                else:
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await close_all()
+            raise
+        timed = [bool(first.token_ids) for first in firsts]
+        for req, first in zip(reqs, firsts, strict=True):
+            if first.token_ids:
+                ingress.metrics.token_latency(req, start, first=True)
+        failed: set[int] = set()
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
+
+        def choice(i: int):
+            req = reqs[i]
+
+            def on_token() -> None:
+                ingress.metrics.token_latency(req, start, first=not timed[i])
+                timed[i] = True
+
+            def on_done(result) -> None:
+                results[i] = result
+                ended[i] = True
+                release(i)
+                ingress.metrics.finished(req, result, start)
+
+            @contextlib.contextmanager
+            def running():  # counted since admit(); ends with the choice
+                try:
+                    yield
+                finally:
+                    release(i)
+
+            return sse_events(
+                shape,
+                req,
+                firsts[i],
+                its[i],
+                include_usage=include_usage,
+                on_done=on_done,
+                cancel=engine.cancel,
+                on_token=on_token,
+                running=running,
+                on_end=lambda reason: end(i, reason),
+                sent=sent,
+                index=i,
+                last=False,
+                on_error=lambda: failed_at(i),
+            )
+
+        def failed_at(i: int) -> None:  # counted (or refused, so not counted) already
+            failed.add(i)
+            ended[i] = True
+            release(i)
+
+        def tail():
+            if include_usage:
+                yield _sse(shape.usage_total_chunk(results))
+
+        return merged_events([choice(i) for i in range(len(reqs))], failed, tail, close_all)
 
     async def generate(http: Request, chat: bool):
         import asyncio
@@ -845,13 +1038,25 @@ def build_routes(ingress, tokenize, logger):
             except InvalidRequestError as err:
                 raise sent(err) from None
             shape = Shape(chat, model or ingress.model_name, base.request_id, ingress.tokenizer)
+            n = body.get("n") or 1
+            field = "n" if n > 1 else "prompt"
+            if len(reqs) * n > MAX_CHOICES:
+                raise InvalidRequestError(
+                    field,
+                    f"at most {MAX_CHOICES} choices (prompts x n), got "
+                    f"{len(reqs)} x {n} = {len(reqs) * n}",
+                )
+            # choice i * n + j is prompt i's j-th sample (OpenAI's order), seeded
+            # seed + j: each choice's `cactus.seed` repeats it alone
+            reqs = [replace(r, sampling=nth_seed(r.sampling, j)) for r in reqs for j in range(n)]
             if len(reqs) > 1:
-                if body.get("stream"):
-                    raise InvalidRequestError(
-                        "stream", "streaming more than one prompt is not supported"
-                    )
                 reqs = [replace(r, request_id=f"{r.request_id}-{i}") for i, r in enumerate(reqs)]
-                return JSONResponse(shape.batch(reqs, await batch(reqs, start)))
+                if body.get("stream"):
+                    return StreamingResponse(
+                        await streams(reqs, start, field, shape, body, sent),
+                        media_type="text/event-stream",
+                    )
+                return JSONResponse(shape.batch(reqs, await batch(reqs, start, field)))
             (req,) = reqs
             if not body.get("stream"):
                 with ingress.metrics.running():

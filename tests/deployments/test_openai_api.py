@@ -16,6 +16,7 @@ from cactus.params import GenerationRequest
 from deployments.ingress import tokenize
 from deployments.openai_api import build_routes
 from tests.deployments.test_ingress import FakeEngine, _shim
+from workers.request import GenerationChunk
 
 TOKEN = "tok-123"
 
@@ -153,8 +154,8 @@ def test_chat_uses_the_chat_template_and_says_when_there_is_none(ray_session):
 def test_a_batch_of_prompts_is_a_choice_each(ray_session):
     """prompt as a list of strings or id lists (OpenAI's API and vLLM take it; LangChain
     sends up to 20): one engine request each, a choice each in order with its own
-    `cactus` object, usage summed. Streaming a batch, an empty batch and one over 64
-    prompts are 400s; a failing request fails the response, OpenAI-shaped."""
+    `cactus` object, usage summed. An empty batch and one over 64 prompts are 400s; a
+    failing request fails the response, OpenAI-shaped (streamed batches: below)."""
     shim, app = _app()
     client = _client(app)
     reply = asyncio.run(
@@ -176,7 +177,6 @@ def test_a_batch_of_prompts_is_a_choice_each(ray_session):
     got = sorted(tuple(r.prompt_token_ids) for r in shim.engine.seen[-3:])
     assert got == sorted([(5, 6), (7,), x])
     for body, param in (
-        ({"prompt": ["a", "b"], "stream": True}, "stream"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["x"] * 65}, "prompt"),
         ({"prompt": ["a", 5]}, "prompt"),
@@ -306,7 +306,12 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "rule": "nope"}, 400, "rule"),
         ({"prompt": "x", "delta": 99.0}, 400, "delta"),
         ({"prompt": ""}, 400, "prompt"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "n": 65}, 400, "n"),
+        ({"prompt": "x", "n": 1.5}, 400, "n"),
+        ({"prompt": "x", "n": "2"}, 400, "n"),
+        ({"prompt": "x", "n": True}, 400, "n"),
+        ({"prompt": ["x"] * 33, "n": 2}, 400, "n"),  # 66 choices: over 64
         ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
@@ -965,3 +970,164 @@ def test_a_chat_request_has_at_most_openais_2048_messages(ray_session):
     ok = [{"role": "user", "content": "hi"}] * 3
     reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": ok}, headers=headers)
     assert reply.status_code == 200, reply.text
+
+
+def _by_index(events: list[dict]) -> dict[int, list[dict]]:
+    """A stream's choices, each chunk's one choice filed under its index, in order."""
+    out: dict[int, list[dict]] = {}
+    for event in events:
+        if event["choices"]:
+            assert len(event["choices"]) == 1, event
+            choice = event["choices"][0]
+            out.setdefault(choice["index"], []).append(choice)
+    return out
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_n_choices_are_a_request_each_seeded_seed_plus_j_unary_and_streamed(ray_session, route):
+    """README: `n` up to 64 (prompts x n): a request each, choice i * n + j being prompt
+    i's j-th sample, seeded seed + j (its `cactus.seed` repeats it alone); streamed, each
+    chunk carries one choice's index, every choice ends with its finish_reason and its
+    own `cactus` object, and the usage chunk sums them."""
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    chat = route.endswith("chat/completions")
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": ["ab", "cd"]}
+    prompts = 1 if chat else 2
+    body = {**base, "n": 3, "seed": 2**64 - 2, "max_tokens": 3}
+    reply = _raw(app, "POST", route, json=body)
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(3 * prompts))
+    seen = shim.engine.seen[-3 * prompts :]
+    # prompt-major, each prompt's samples seeded seed, seed + 1, seed + 2 (mod 2^64)
+    assert [r.sampling.seed for r in seen] == [2**64 - 2, 2**64 - 1, 0] * prompts
+    assert len({r.request_id for r in seen}) == 3 * prompts
+    if not chat:
+        ab, cd = (tuple(shim.tokenizer.encode(p, add_special_tokens=False)) for p in ("ab", "cd"))
+        assert [tuple(r.prompt_token_ids) for r in seen] == [ab] * 3 + [cd] * 3
+    assert reply.json()["usage"]["completion_tokens"] == 3 * 3 * prompts
+    assert shim.metrics._running == 0
+
+    asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    events = _events(_raw(app, "POST", route, json=asked))
+    streamed = shim.engine.seen[-3 * prompts :]
+    assert [r.sampling.seed for r in streamed] == [2**64 - 2, 2**64 - 1, 0] * prompts
+    assert all("usage" in e and e["usage"] is None for e in events[:-1]), events
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9 * prompts
+    by_index = _by_index(events)
+    assert sorted(by_index) == list(range(3 * prompts))
+    for chunks in by_index.values():
+        text = "".join(c["delta"]["content"] if chat else c["text"] for c in chunks)
+        assert text == "xxx", chunks
+        assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+        if chat:  # each choice's first delta names the role
+            assert chunks[0]["delta"].get("role") == "assistant"
+            assert all("role" not in c["delta"] for c in chunks[1:])
+    finishing = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finishing) == 3 * prompts and all("cactus" in e for e in finishing)
+    assert shim.metrics._running == 0 and shim.engine.cancelled == []
+
+
+def test_a_streamed_choice_that_fails_ends_the_response_and_cancels_the_rest(ray_session):
+    """Several choices streamed: one that fails after its first token sends its error
+    event, then `[DONE]`; the others, still running, are cancelled in the engine and
+    counted CANCELLED, and every running slot is released. One that fails before its
+    first token makes the response that status, and the others are cancelled."""
+    from cactus.errors import EngineFailedError
+
+    class OneFails(FakeEngine):
+        def __init__(self, before_first: bool) -> None:
+            super().__init__()
+            self.before_first = before_first
+
+        async def astream(self, req):
+            self.seen.append(req)
+            if req.request_id.endswith("-1"):
+                if self.before_first:
+                    raise EngineFailedError("gone")
+                yield GenerationChunk(req.request_id, (1,), "x")
+                await asyncio.sleep(0.05)  # the others have sent their first chunks
+                raise EngineFailedError("gone")
+            yield GenerationChunk(req.request_id, (1,), "y")
+            await asyncio.sleep(60)  # still running when the other fails
+
+    body = {"prompt": "x", "n": 3, "stream": True, "max_tokens": 8}
+    shim, app = _app(OneFails(before_first=False))
+    failures = []
+    shim.metrics.ended = lambda req, reason: failures.append((req.request_id[-2:], reason))
+    events = _events(_raw(app, "POST", "/v1/completions", json=body))
+    assert events[-1]["error"]["code"] == 503, events
+    assert sorted(i for i in _by_index(events[:-1])) == [0, 1, 2]
+    # the failed one's cancel too, as a single stream's failure sends one (a no-op there)
+    assert sorted(shim.engine.cancelled) == sorted(r.request_id for r in shim.engine.seen)
+    assert sorted(failures) == [("-0", "CANCELLED"), ("-1", "ERROR"), ("-2", "CANCELLED")]
+    assert shim.metrics._running == 0
+
+    shim, app = _app(OneFails(before_first=True))
+    reply = _raw(app, "POST", "/v1/completions", json=body)
+    assert reply.status_code == 503 and reply.headers["Retry-After"] == "1", reply.text
+    ids = [r.request_id for r in shim.engine.seen]
+    assert sorted(shim.engine.cancelled) == sorted([ids[0], ids[2]]), shim.engine.cancelled
+    assert shim.metrics._running == 0
+
+
+def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_one():
+    """The client goes away mid-stream (the response's events are closed): every
+    choice still running is cancelled in the engine and counted CANCELLED, once."""
+    from deployments.openai_api import merged_events, sse_events
+
+    cancelled, ended, closed = [], [], []
+
+    async def forever(rid):
+        try:
+            yield GenerationChunk(rid, (2,), "z")
+            await asyncio.sleep(60)
+        finally:
+            closed.append(rid)
+
+    async def go():
+        from deployments.openai_api import Shape
+
+        shape = Shape(False, "m", "r")
+        choices, rests = [], []
+        for i in range(3):
+            rest = forever(f"r-{i}")
+            rests.append(rest)
+            req = GenerationRequest(prompt="x", request_id=f"r-{i}")
+            first = GenerationChunk(req.request_id, (1,), "y")
+            choices.append(
+                sse_events(
+                    shape,
+                    req,
+                    first,
+                    rest,
+                    include_usage=False,
+                    on_done=lambda r: None,
+                    cancel=cancelled.append,
+                    on_end=lambda reason, i=i: ended.append((i, reason)),
+                    index=i,
+                    last=False,
+                )
+            )
+
+        async def close():
+            closed.append("close")
+
+        events = merged_events(choices, set(), lambda: [], close)
+        got = [await anext(events) for _ in range(6)]  # each choice's "y" and "z"
+        await events.aclose()  # the client leaves
+        return got
+
+    got = asyncio.run(go())
+    assert sorted(json.loads(g[len("data: ") :])["choices"][0]["index"] for g in got) == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+    ]
+    assert sorted(cancelled) == ["r-0", "r-1", "r-2"]
+    assert sorted(ended) == [(0, "CANCELLED"), (1, "CANCELLED"), (2, "CANCELLED")]
+    assert sorted(closed) == ["close", "r-0", "r-1", "r-2"]

@@ -793,8 +793,32 @@ def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_p
     assert [c.text for c in batch.choices] == [grpc_reply.text, alone.text]
     both = len(grpc_reply.token_ids) + len(alone.token_ids)
     assert batch.usage.completion_tokens == both
+    # two samples streamed (n = 2; this server admits 3 requests at once): chunks carry
+    # each choice's index; choice 0 is the seeded request above, choice 1 the request
+    # seeded seed + 1 alone, as its `cactus.seed` says
+    twice = client.completions.create(
+        model=model,
+        prompt=prompt,
+        n=2,
+        extra_body=extra,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    texts, seeds = ["", ""], [None, None]
+    for chunk in twice:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                seeds[choice.index] = chunk.model_extra["cactus"]["seed"]
+    second = server.client().generate(
+        prompt, top_k=30, rule="cactus", delta=1.0, **{**kw, "seed": kw["seed"] + 1}
+    )
+    assert texts == [grpc_reply.text, second.text]
+    assert seeds == [kw["seed"], kw["seed"] + 1]
+    assert chunk.usage.completion_tokens == len(grpc_reply.token_ids) + len(second.token_ids)
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=model, prompt=prompt, n=2)
+        client.completions.create(model=model, prompt=prompt, n=65)
     assert err.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt=prompt, extra_body={"delta": 9.0})
