@@ -187,10 +187,8 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         # null is "unset" whatever the name (clients send `"tools": null` and the like)
         if name not in allowed and value is not None:
             raise InvalidRequestError(name, "unknown field")
-    n = body.get("n")
-    if n is not None and (
-        isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES
-    ):
+    n = _number(body, "n", 1, integer=True)
+    if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequestError("n", f"must be an integer in [1, {MAX_CHOICES}], got {n!r}")
     if body.get("best_of") not in (None, 1):
         raise InvalidRequestError("best_of", "only best_of = 1 is supported")
@@ -473,11 +471,17 @@ def nth_seed(sampling: SamplingParams, j: int) -> SamplingParams:
     return replace(sampling, seed=(sampling.seed + j) % 2**64)
 
 
-def usage_total(results) -> dict:
-    """Several choices' usage, summed (as OpenAI and vLLM count it: each choice's
-    prompt counts once per choice, as each choice is a request of its own)."""
-    each = [usage(result) for result in results]
-    return {key: sum(u[key] for u in each) for key in each[0]}
+def usage_total(results, n: int = 1) -> dict:
+    """Several choices' usage (results in choice order, n a prompt): completion tokens
+    summed over the choices, each prompt's tokens counted once, as OpenAI and vLLM
+    count them."""
+    prompt = sum(result.prompt_tokens for result in results[::n])
+    completion = sum(len(result.token_ids) for result in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _sse(payload) -> str:
@@ -559,14 +563,14 @@ class Shape:
         out["system_fingerprint"] = None
         return out
 
-    def batch(self, requests, results) -> dict:
-        """Several prompts: a choice each, in prompt order, each with its own `cactus`
-        object; usage summed."""
+    def batch(self, requests, results, n: int = 1) -> dict:
+        """Several choices (prompts x n): a choice each, in order, each with its own
+        `cactus` object; usage as usage_total counts it."""
         choices = []
         for i, (request, result) in enumerate(zip(requests, results, strict=True)):
             choices.append({**self.choice(result, i), "cactus": cactus_stats(request, result)})
         out = self._envelope(self.object, choices)
-        out["usage"] = usage_total(results)
+        out["usage"] = usage_total(results, n)
         out["system_fingerprint"] = None
         return out
 
@@ -589,12 +593,12 @@ class Shape:
         out["cactus"] = cactus_stats(request, result)
         return out
 
-    def usage_total_chunk(self, results) -> dict:
+    def usage_total_chunk(self, results, n: int = 1) -> dict:
         """The usage chunk of a stream of several choices: usage summed (each choice's
         `cactus` object came with its finishing chunk)."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = self._envelope(obj, [])
-        out["usage"] = usage_total(results)
+        out["usage"] = usage_total(results, n)
         return out
 
 
@@ -682,37 +686,41 @@ async def sse_events(
                 await aclose()
 
 
-async def merged_events(choices: list, failed: set, tail, close) -> AsyncIterator[str]:
-    """Several choices' events (sse_events with last=False) in one stream, as they come;
-    each choice's own events stay in order. A choice in `failed` has sent its error
-    event: the response ends there. `tail()`: the events after every choice finished
-    (the usage chunk). Whatever ends the stream (its end, a failure, the client going
-    away), `close()` then cancels and counts every choice that had not ended."""
+async def merged_events(choices: list, tail, close_now, close_later) -> AsyncIterator[str]:
+    """Several choices' events in one stream, as they come; each choice's own events stay
+    in order. A choice's events are (event, ends) pairs: `ends` marks a failed choice's
+    error event, after which the response ends. `tail()`: the events after every choice
+    ended (the usage chunk). However the stream ends (its end, a failure, the client
+    going away), `close_now()` then cancels and counts every choice that had not ended:
+    synchronously, first, so no later cancellation can skip it; `close_later()` then
+    closes what is left, shielded from a second cancellation."""
     import asyncio
+
+    import anyio
 
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, events) -> None:
         try:
-            async for event in events:
-                queue.put_nowait((i, event))
+            async for event, ends in events:
+                queue.put_nowait((event, ends))
         except Exception as err:  # a bug of ours in a choice's events, not the engine's
-            queue.put_nowait((i, err))
+            queue.put_nowait((err, True))
         finally:
-            queue.put_nowait((i, None))
+            queue.put_nowait((None, False))
 
     tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(choices)]
     try:
         left = len(tasks)
         while left:
-            i, event = await queue.get()
+            event, ends = await queue.get()
             if isinstance(event, Exception):
                 raise event
-            if event is not None:
-                yield event
+            if event is None:
+                left -= 1
                 continue
-            left -= 1
-            if i in failed:  # its error event went out (a choice's events come in order)
+            yield event
+            if ends:  # a choice's error event went out: the response ends here
                 break
         else:
             for event in tail():
@@ -721,8 +729,10 @@ async def merged_events(choices: list, failed: set, tail, close) -> AsyncIterato
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await close()
+        close_now()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await close_later()
 
 
 async def read_json(http: Request, limit: int):
@@ -901,105 +911,133 @@ def build_routes(ingress, tokenize, logger):
             for i in range(len(reqs)):
                 release(i)
 
-    async def streams(reqs: list, start: float, field: str, shape, body, sent):
+    async def streams(reqs: list, n: int, start: float, field: str, shape, body, sent):
         """Several choices streamed in one response (a batch of prompts, or n > 1), each
-        choice's chunks carrying its index, in the order they come. Every choice's first
-        chunk is awaited before the response starts, so a failure before any token is
-        an HTTP status, as for one choice (the rest are cancelled). After that, a choice
-        that fails sends its error event and ends the response, cancelling the rest."""
+        choice's chunks carrying its index, in the order they come. The response starts
+        with the first choice that has its first chunk (a choice may wait for an engine
+        row while others run); a failure that comes first is the HTTP status, as for one
+        choice, and the rest are cancelled. After that, a choice that fails sends its
+        error event and ends the response, cancelling the rest."""
         import asyncio
 
         release = admit(reqs, field)
         engine = ingress.engine
-        ended = [False] * len(reqs)  # counted (finished or ended), released
+        ended = [False] * len(reqs)  # counted (finished, ended or refused) and released
         results: list = [None] * len(reqs)
         its = [engine.astream(req) for req in reqs]
+        firsts = [asyncio.ensure_future(anext(it)) for it in its]
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
 
-        def end(i: int, reason: str | None) -> None:
+        def end(i: int, reason: str | None) -> None:  # reason None: refused, not counted
             if not ended[i]:
                 ended[i] = True
                 if reason is not None:
                     ingress.metrics.ended(reqs[i], reason)
             release(i)
 
-        async def close_all() -> None:
+        def finish(i: int, result) -> None:
+            if not ended[i]:
+                ended[i] = True
+                results[i] = result
+                ingress.metrics.finished(reqs[i], result, start)
+            release(i)
+
+        def close_now() -> None:
+            """Cancel and count every choice that has not ended (no await)."""
+            for task in firsts:
+                task.cancel()
             for i, req in enumerate(reqs):
                 if not ended[i]:
                     engine.cancel(req.request_id)
                     end(i, "CANCELLED")
+
+        async def close_later() -> None:
+            await asyncio.gather(*firsts, return_exceptions=True)
             for it in its:
                 aclose = getattr(it, "aclose", None)
                 if aclose is not None:
                     with contextlib.suppress(Exception):  # the response is over either way
                         await aclose()
 
-        tasks = [asyncio.ensure_future(anext(it)) for it in its]
+        def failure(task):
+            return None if task.cancelled() else task.exception()
+
         try:
-            firsts = await asyncio.gather(*tasks)
-        except BaseException:  # a choice failed before its first token, or the client left
-            for i, task in enumerate(tasks):
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    end(i, failure_reason(task.exception()))  # None: refused, not counted
-                else:
-                    task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await close_all()
+            done, _ = await asyncio.wait(firsts, return_when=asyncio.FIRST_COMPLETED)
+            failed_first = [failure(t) for t in done if failure(t) is not None]
+            if failed_first:
+                raise failed_first[0]
+        except BaseException:  # a choice failed before any token was sent, or the client left
+            for i, task in enumerate(firsts):
+                if task.done() and not task.cancelled():
+                    if task.exception() is not None:
+                        end(i, failure_reason(task.exception()))
+                    elif task.result().result is not None:  # finished in its first chunk
+                        finish(i, task.result().result)
+            close_now()
+            await close_later()
             raise
-        timed = [bool(first.token_ids) for first in firsts]
-        for req, first in zip(reqs, firsts, strict=True):
-            if first.token_ids:
-                ingress.metrics.token_latency(req, start, first=True)
-        failed: set[int] = set()
-        options = body.get("stream_options") or {}
-        include_usage = bool(options.get("include_usage"))
 
         def choice(i: int):
             req = reqs[i]
+            timed = [False]
 
             def on_token() -> None:
-                ingress.metrics.token_latency(req, start, first=not timed[i])
-                timed[i] = True
+                ingress.metrics.token_latency(req, start, first=not timed[0])
+                timed[0] = True
 
-            def on_done(result) -> None:
-                results[i] = result
-                ended[i] = True
-                release(i)
-                ingress.metrics.finished(req, result, start)
+            async def events():
+                failed = False
 
-            @contextlib.contextmanager
-            def running():  # counted since admit(); ends with the choice
+                def on_error() -> None:  # counted (or refused, so not counted) already
+                    nonlocal failed
+                    failed = True
+                    end(i, None)
+
                 try:
-                    yield
-                finally:
-                    release(i)
+                    first = await firsts[i]
+                except Exception as err:  # before its first token, after the response began
+                    end(i, failure_reason(err))
+                    yield _sse(stream_error(as_openai_error(err, req.request_id, sent))), True
+                    return
+                if first.token_ids:
+                    on_token()
 
-            return sse_events(
-                shape,
-                req,
-                firsts[i],
-                its[i],
-                include_usage=include_usage,
-                on_done=on_done,
-                cancel=engine.cancel,
-                on_token=on_token,
-                running=running,
-                on_end=lambda reason: end(i, reason),
-                sent=sent,
-                index=i,
-                last=False,
-                on_error=lambda: failed_at(i),
-            )
+                @contextlib.contextmanager
+                def running():  # counted since admit(); ends with the choice
+                    try:
+                        yield
+                    finally:
+                        release(i)
 
-        def failed_at(i: int) -> None:  # counted (or refused, so not counted) already
-            failed.add(i)
-            ended[i] = True
-            release(i)
+                chunks = sse_events(
+                    shape,
+                    req,
+                    first,
+                    its[i],
+                    include_usage=include_usage,
+                    on_done=lambda result: finish(i, result),
+                    cancel=engine.cancel,
+                    on_token=on_token,
+                    running=running,
+                    on_end=lambda reason: end(i, reason),
+                    sent=sent,
+                    index=i,
+                    last=False,
+                    on_error=on_error,
+                )
+                async with contextlib.aclosing(chunks):
+                    async for event in chunks:
+                        yield event, failed
+
+            return events()
 
         def tail():
-            if include_usage:
-                yield _sse(shape.usage_total_chunk(results))
+            if include_usage and all(r is not None for r in results):
+                yield _sse(shape.usage_total_chunk(results, n))
 
-        return merged_events([choice(i) for i in range(len(reqs))], failed, tail, close_all)
+        return merged_events([choice(i) for i in range(len(reqs))], tail, close_now, close_later)
 
     async def generate(http: Request, chat: bool):
         import asyncio
@@ -1038,7 +1076,7 @@ def build_routes(ingress, tokenize, logger):
             except InvalidRequestError as err:
                 raise sent(err) from None
             shape = Shape(chat, model or ingress.model_name, base.request_id, ingress.tokenizer)
-            n = body.get("n") or 1
+            n = _number(body, "n", 1, integer=True)  # checked by _check_fields
             field = "n" if n > 1 else "prompt"
             if len(reqs) * n > MAX_CHOICES:
                 raise InvalidRequestError(
@@ -1053,10 +1091,10 @@ def build_routes(ingress, tokenize, logger):
                 reqs = [replace(r, request_id=f"{r.request_id}-{i}") for i, r in enumerate(reqs)]
                 if body.get("stream"):
                     return StreamingResponse(
-                        await streams(reqs, start, field, shape, body, sent),
+                        await streams(reqs, n, start, field, shape, body, sent),
                         media_type="text/event-stream",
                     )
-                return JSONResponse(shape.batch(reqs, await batch(reqs, start, field)))
+                return JSONResponse(shape.batch(reqs, await batch(reqs, start, field), n))
             (req,) = reqs
             if not body.get("stream"):
                 with ingress.metrics.running():

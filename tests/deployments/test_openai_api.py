@@ -933,6 +933,16 @@ def test_a_batch_of_prompts_cannot_push_a_replica_past_what_serve_would_admit(ra
     # more prompts than the bound itself: no retry can help, so a 400 naming the field
     reply = _raw(app, "POST", "/v1/completions", json={"prompt": ["x"] * 9}, headers=headers)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
+    # choices of n > 1 count as prompts do, streamed or not; the 400 then names n
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "n": 9}, headers=headers)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n", reply.text
+    shim.metrics._running = 3
+    seen = len(shim.engine.seen)
+    for stream in (False, True):
+        body = {"prompt": "x", "n": 6, "stream": stream}
+        reply = _raw(app, "POST", "/v1/completions", json=body, headers=headers)
+        assert reply.status_code == 429 and reply.headers["Retry-After"] == "1", reply.text
+    assert len(shim.engine.seen) == seen
     shim.metrics._running = 0
 
     # two batches at once: the check and the prompts' counting happen before any await,
@@ -1007,6 +1017,10 @@ def test_n_choices_are_a_request_each_seeded_seed_plus_j_unary_and_streamed(ray_
         ab, cd = (tuple(shim.tokenizer.encode(p, add_special_tokens=False)) for p in ("ab", "cd"))
         assert [tuple(r.prompt_token_ids) for r in seen] == [ab] * 3 + [cd] * 3
     assert reply.json()["usage"]["completion_tokens"] == 3 * 3 * prompts
+    # each prompt's tokens count once, whatever n (as OpenAI and vLLM count them)
+    once = sum(len(r.prompt_token_ids) for r in seen[::3])
+    assert reply.json()["usage"]["prompt_tokens"] == once
+    assert reply.json()["usage"]["total_tokens"] == once + 9 * prompts
     assert shim.metrics._running == 0
 
     asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -1015,6 +1029,7 @@ def test_n_choices_are_a_request_each_seeded_seed_plus_j_unary_and_streamed(ray_
     assert [r.sampling.seed for r in streamed] == [2**64 - 2, 2**64 - 1, 0] * prompts
     assert all("usage" in e and e["usage"] is None for e in events[:-1]), events
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9 * prompts
+    assert events[-1]["usage"]["prompt_tokens"] == once
     by_index = _by_index(events)
     assert sorted(by_index) == list(range(3 * prompts))
     for chunks in by_index.values():
@@ -1032,8 +1047,9 @@ def test_n_choices_are_a_request_each_seeded_seed_plus_j_unary_and_streamed(ray_
 def test_a_streamed_choice_that_fails_ends_the_response_and_cancels_the_rest(ray_session):
     """Several choices streamed: one that fails after its first token sends its error
     event, then `[DONE]`; the others, still running, are cancelled in the engine and
-    counted CANCELLED, and every running slot is released. One that fails before its
-    first token makes the response that status, and the others are cancelled."""
+    counted CANCELLED, and every running slot is released. A failure that comes before
+    any choice's first token makes the response that status, and the others are
+    cancelled."""
     from cactus.errors import EngineFailedError
 
     class OneFails(FakeEngine):
@@ -1049,85 +1065,118 @@ def test_a_streamed_choice_that_fails_ends_the_response_and_cancels_the_rest(ray
                 yield GenerationChunk(req.request_id, (1,), "x")
                 await asyncio.sleep(0.05)  # the others have sent their first chunks
                 raise EngineFailedError("gone")
+            if self.before_first:
+                await asyncio.sleep(0.05)  # the failure comes first
             yield GenerationChunk(req.request_id, (1,), "y")
             await asyncio.sleep(60)  # still running when the other fails
 
     body = {"prompt": "x", "n": 3, "stream": True, "max_tokens": 8}
-    shim, app = _app(OneFails(before_first=False))
-    failures = []
-    shim.metrics.ended = lambda req, reason: failures.append((req.request_id[-2:], reason))
+    for before_first in (False, True):
+        shim, app = _app(OneFails(before_first))
+        failures = []
+        shim.metrics.ended = lambda req, reason, f=failures: f.append((req.request_id[-2:], reason))
+        reply = _raw(app, "POST", "/v1/completions", json=body)
+        if before_first:
+            assert reply.status_code == 503 and reply.headers["Retry-After"] == "1", reply.text
+        else:
+            events = _events(reply)
+            assert events[-1]["error"]["code"] == 503, events
+            assert sorted(i for i in _by_index(events[:-1])) == [0, 1, 2]
+        # the failed one's cancel too (after its first token), as a single stream's
+        # failure sends one; a no-op in the engine
+        ids = [r.request_id for r in shim.engine.seen]
+        others = sorted([ids[0], ids[2]])
+        assert sorted(set(shim.engine.cancelled)) == (others if before_first else sorted(ids))
+        assert sorted(failures) == [("-0", "CANCELLED"), ("-1", "ERROR"), ("-2", "CANCELLED")]
+        assert shim.metrics._running == 0
+
+
+def test_a_stream_of_several_choices_starts_before_a_slow_choice_has_a_token(ray_session):
+    """A choice may wait for an engine row while others run (n up to 64, max_num_seqs
+    32): the response must not wait for every choice's first chunk. Here choice 1's
+    first token comes only after choice 0's stream has been read to its end, which a
+    response that waited for both would never do (choice 1 then fails after 5 s)."""
+    read_to_end = asyncio.Event()
+
+    class Waits(FakeEngine):
+        async def astream(self, req):
+            self.seen.append(req)
+            if req.request_id.endswith("-1"):
+                await asyncio.wait_for(read_to_end.wait(), 5.0)
+            async for chunk in super().astream(req):
+                if chunk.result is not None and req.request_id.endswith("-0"):
+                    read_to_end.set()  # its last chunk is asked for
+                yield chunk
+
+    shim, app = _app(Waits())
+    body = {"prompt": "x", "n": 2, "stream": True, "max_tokens": 3}
     events = _events(_raw(app, "POST", "/v1/completions", json=body))
-    assert events[-1]["error"]["code"] == 503, events
-    assert sorted(i for i in _by_index(events[:-1])) == [0, 1, 2]
-    # the failed one's cancel too, as a single stream's failure sends one (a no-op there)
-    assert sorted(shim.engine.cancelled) == sorted(r.request_id for r in shim.engine.seen)
-    assert sorted(failures) == [("-0", "CANCELLED"), ("-1", "ERROR"), ("-2", "CANCELLED")]
-    assert shim.metrics._running == 0
-
-    shim, app = _app(OneFails(before_first=True))
-    reply = _raw(app, "POST", "/v1/completions", json=body)
-    assert reply.status_code == 503 and reply.headers["Retry-After"] == "1", reply.text
-    ids = [r.request_id for r in shim.engine.seen]
-    assert sorted(shim.engine.cancelled) == sorted([ids[0], ids[2]]), shim.engine.cancelled
-    assert shim.metrics._running == 0
+    assert all("error" not in e for e in events), events
+    order = [e["choices"][0]["index"] for e in events]
+    assert order == [0] * 4 + [1] * 4, order  # all of choice 0, then choice 1
+    assert shim.metrics._running == 0 and shim.engine.cancelled == []
 
 
-def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_one():
-    """The client goes away mid-stream (the response's events are closed): every
-    choice still running is cancelled in the engine and counted CANCELLED, once."""
-    from deployments.openai_api import merged_events, sse_events
+def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_one(ray_session):
+    """The client goes away mid-stream (Starlette cancels the task that reads the
+    response, before ASGI 2.4): every choice still running is cancelled in the engine
+    and counted CANCELLED, once, and its running slot released, by the time the
+    response's task has ended."""
 
-    cancelled, ended, closed = [], [], []
-
-    async def forever(rid):
-        try:
-            yield GenerationChunk(rid, (2,), "z")
+    class Forever(FakeEngine):
+        async def astream(self, req):
+            self.seen.append(req)
+            yield GenerationChunk(req.request_id, (1,), "y")
+            yield GenerationChunk(req.request_id, (2,), "z")
             await asyncio.sleep(60)
-        finally:
-            closed.append(rid)
+
+    shim, app = _app(Forever())
+    ended = []
+    shim.metrics.ended = lambda req, reason: ended.append((req.request_id[-2:], reason))
+    body = json.dumps({"prompt": "x", "n": 3, "stream": True, "max_tokens": 8}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},  # as Serve's uvicorn has it
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"authorization", f"Bearer {TOKEN}".encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("cactus.test", 80),
+    }
 
     async def go():
-        from deployments.openai_api import Shape
+        leave = asyncio.Event()
+        sent = []
+        requests = iter([{"type": "http.request", "body": body, "more_body": False}])
 
-        shape = Shape(False, "m", "r")
-        choices, rests = [], []
-        for i in range(3):
-            rest = forever(f"r-{i}")
-            rests.append(rest)
-            req = GenerationRequest(prompt="x", request_id=f"r-{i}")
-            first = GenerationChunk(req.request_id, (1,), "y")
-            choices.append(
-                sse_events(
-                    shape,
-                    req,
-                    first,
-                    rest,
-                    include_usage=False,
-                    on_done=lambda r: None,
-                    cancel=cancelled.append,
-                    on_end=lambda reason, i=i: ended.append((i, reason)),
-                    index=i,
-                    last=False,
-                )
-            )
+        async def receive():
+            message = next(requests, None)
+            if message is not None:
+                return message
+            await leave.wait()
+            return {"type": "http.disconnect"}
 
-        async def close():
-            closed.append("close")
+        async def send(message):
+            sent.append(message)
+            if sum(m["type"] == "http.response.body" for m in sent) == 6:
+                leave.set()  # each choice's "y" and "z" went out: the client leaves
 
-        events = merged_events(choices, set(), lambda: [], close)
-        got = [await anext(events) for _ in range(6)]  # each choice's "y" and "z"
-        await events.aclose()  # the client leaves
-        return got
+        await asyncio.wait_for(app(scope, receive, send), 10.0)
+        # checked as the response's task ends, not after asyncio.run's own clean-up
+        return sent, sorted(shim.engine.cancelled), sorted(ended), shim.metrics._running
 
-    got = asyncio.run(go())
-    assert sorted(json.loads(g[len("data: ") :])["choices"][0]["index"] for g in got) == [
-        0,
-        0,
-        1,
-        1,
-        2,
-        2,
-    ]
-    assert sorted(cancelled) == ["r-0", "r-1", "r-2"]
-    assert sorted(ended) == [(0, "CANCELLED"), (1, "CANCELLED"), (2, "CANCELLED")]
-    assert sorted(closed) == ["close", "r-0", "r-1", "r-2"]
+    sent, cancelled, ended_then, running = asyncio.run(go())
+    assert sent[0]["status"] == 200
+    ids = sorted(r.request_id for r in shim.engine.seen)
+    assert len(ids) == 3 and sorted(set(cancelled)) == ids, cancelled
+    assert ended_then == [("-0", "CANCELLED"), ("-1", "CANCELLED"), ("-2", "CANCELLED")]
+    assert running == 0

@@ -817,6 +817,7 @@ def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_p
     assert texts == [grpc_reply.text, second.text]
     assert seeds == [kw["seed"], kw["seed"] + 1]
     assert chunk.usage.completion_tokens == len(grpc_reply.token_ids) + len(second.token_ids)
+    assert chunk.usage.prompt_tokens == http.usage.prompt_tokens  # the prompt counts once
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt=prompt, n=65)
     assert err.value.body["param"] == "n"
