@@ -36,9 +36,14 @@ class SamplingParams:
     # token under the verifier's processed distribution q, with the n most likely
     # alternatives there (OpenAI / vLLM `logprobs`).
     logprobs: int | None = None
+    # (token id, bias) pairs, ids ascending: added to those tokens' logits before the
+    # processing above, on the verifier's and the draft's rows alike (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # tokens, as OpenAI's API takes
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI's API takes
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,7 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
             )
     if s.logprobs is not None and (not _is_int(s.logprobs) or not 0 <= s.logprobs <= MAX_LOGPROBS):
         raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {s.logprobs!r}")
+    _validate_logit_bias(s.logit_bias, limits)
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _invalid(
             "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(s.stop_token_ids)}"
@@ -211,6 +217,36 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
         if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
             raise _invalid(
                 "stop_token_ids", f"ids must lie in [0, {limits.vocab_size}), got {tok!r}"
+            )
+
+
+def _validate_logit_bias(bias, limits: Limits) -> None:
+    if not isinstance(bias, tuple):
+        raise _invalid("logit_bias", "must be a tuple of (token id, bias) pairs")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    seen = set()
+    for pair in bias:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise _invalid("logit_bias", f"must hold (token id, bias) pairs, got {pair!r}")
+        tok, value = pair
+        if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
+            raise _invalid(
+                "logit_bias", f"token ids must lie in [0, {limits.vocab_size}), got {pair!r}"
+            )
+        if tok in seen:
+            raise _invalid("logit_bias", f"token {tok} is given twice, got {pair!r}")
+        seen.add(tok)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE
+        ):
+            raise _invalid(
+                "logit_bias",
+                f"biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                f"got {pair!r}",
             )
 
 

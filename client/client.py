@@ -82,6 +82,25 @@ def _float_field(name: str, value) -> float:
     return number
 
 
+def _logit_bias(value) -> dict[int, float]:
+    """{token id: bias} (OpenAI's logit_bias; a JSON-style str key is taken too) as the
+    message's map, or ValueError naming `logit_bias`; the ranges are the server's."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias: must be a mapping of token id to bias, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(tok) or not _INT64[0] <= tok <= _INT64[1]:
+            raise ValueError(f"logit_bias: keys must be int token ids, got {key!r}")
+        if int(tok) in out:
+            raise ValueError(f"logit_bias: token {int(tok)} is given twice")
+        number = _finite(bias)
+        if number is None:
+            raise ValueError(f"logit_bias: token {int(tok)}'s bias must be a finite number")
+        out[int(tok)] = number
+    return out
+
+
 def _str_field(name: str, value) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{name}: must be a str, got {value!r} ({type(value).__name__})")
@@ -280,6 +299,7 @@ class CactusClient(_Client):
         request_id: str | None = None,  # unset: "", the server assigns one
         time_limit_s: float | None = None,  # unset: 0, none (the call's deadline bounds it)
         logprobs: int | None = None,
+        logit_bias: Mapping[int, float] | None = None,  # {token id: bias in [-100, 100]}
     ) -> pb.GenerateRequest:
         """The GenerateRequest of these parameters. A None leaves its field unset (absent
         from the message, or proto3's default where the field is not `optional`: top_k 0,
@@ -332,6 +352,7 @@ class CactusClient(_Client):
             stop_ids = _token_ids("stop_token_ids", [stop_token_ids])
         else:
             stop_ids = _token_ids("stop_token_ids", stop_token_ids)
+        bias = {} if logit_bias is None else _logit_bias(logit_bias)
         rule = "" if rule is None else _str_field("rule", rule)
         request_id = "" if request_id is None else _str_field("request_id", request_id)
 
@@ -354,6 +375,7 @@ class CactusClient(_Client):
         s.top_k = ints.get("top_k", 0)
         s.stop.extend(stops)
         s.stop_token_ids.extend(stop_ids)
+        s.logit_bias.update(bias)
         for name in ("max_tokens", "seed", "logprobs"):
             if name in ints:
                 setattr(s, name, ints[name])

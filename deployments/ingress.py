@@ -94,6 +94,7 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
     )
     speculation = SpeculationParams(
         rule=sp.rule or config.speculation.default_rule,

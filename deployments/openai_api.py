@@ -6,7 +6,7 @@
 
 The request bodies follow OpenAI's API as vLLM serves it: `max_tokens`, `temperature`,
 `top_p`, `seed`, `stop`, `n` (up to 64 choices, prompts x n, each a request of its
-own, streamed or not), `stream` (server-sent events ending in
+own, streamed or not), `logit_bias`, `stream` (server-sent events ending in
 `data: [DONE]`), `stream_options.include_usage`, plus vLLM's `top_k` and this project's
 extras (`rule`, `delta`, `num_speculative_tokens`, `max_divergence_nats`,
 `time_limit_s`) and vLLM's `stop_token_ids`, which an OpenAI client passes as
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
 from cactus.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, SpeculationParams
 from deployments.metrics import failure_reason
+
+logger = logging.getLogger(__name__)
 
 FINISH = {
     "LENGTH": "length",
@@ -158,6 +161,27 @@ def _number(body: dict, name: str, default, *, integer: bool = False):
         raise InvalidRequestError(name, "must be a finite number") from None
 
 
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"<token id>": bias}, keys token ids as JSON strings (an
+    integer key is taken too); the ranges are the shared validator's."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", "must be an object of token id: bias")
+    pairs = []
+    for key, value in bias.items():
+        text = str(key).strip()
+        if not (text.isascii() and text.isdigit()):
+            raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError("logit_bias", f"biases must be numbers, got {value!r}")
+        pairs.append((int(text), float(value)))
+    if len({tok for tok, _ in pairs}) != len(pairs):
+        raise InvalidRequestError("logit_bias", "a token id is given twice")
+    return tuple(sorted(pairs))
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -199,8 +223,6 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise InvalidRequestError(name, "penalties are not supported (use 0)")
-    if body.get("logit_bias"):
-        raise InvalidRequestError("logit_bias", "logit_bias is not supported")
     if body.get("stream") not in (None, True, False):  # "false" must not start a stream
         raise InvalidRequestError("stream", f"must be true or false, got {body['stream']!r}")
     _check_stream_options(body)
@@ -290,6 +312,7 @@ def to_request(
         stop=_stop(body),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         logprobs=_logprobs(body, chat),
+        logit_bias=_logit_bias(body),
     )
     rule = body.get("rule")
     if rule is None:  # absent or null: unset, like every other field
@@ -618,6 +641,7 @@ async def sse_events(
     index: int = 0,
     last: bool = True,
     on_error=lambda: None,
+    on_start=lambda: None,
 ) -> AsyncIterator[str]:
     """Server-sent events from the engine's chunks; `first` was already awaited (so a
     failure before the first token became an HTTP status, not an event). A stream that
@@ -630,7 +654,10 @@ async def sse_events(
     shape). sent: as for as_openai_error, the error event's field as the client sent it.
     index: the choice's index. last=False: one choice of several (merged_events), whose
     response is not over when this choice is: no usage chunk and no `[DONE]`, and
-    `on_error()` is called before a failure's error event."""
+    `on_error()` is called before a failure's error event. on_start(): called as the
+    events begin (a response whose client left before it began must clean up itself:
+    ClosingStreamingResponse)."""
+    on_start()
     finished = False  # the engine's final result came: nothing left to cancel
     counted = False  # on_done or on_end was called
 
@@ -714,8 +741,9 @@ async def merged_events(choices: list, tail, close_now, close_later) -> AsyncIte
         left = len(tasks)
         while left:
             event, ends = await queue.get()
-            if isinstance(event, Exception):
-                raise event
+            if isinstance(event, Exception):  # the stream still ends with an error event
+                logger.error("a streamed choice failed in our own code", exc_info=event)
+                event = _sse(stream_error(OpenAIError(500, "internal error")))
             if event is None:
                 left -= 1
                 continue
@@ -733,6 +761,29 @@ async def merged_events(choices: list, tail, close_now, close_later) -> AsyncIte
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
             await close_later()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse whose clean-up always runs. Starlette never closes its body
+    iterator: where the client leaves while the body waits at a `yield` (ASGI 2.4, whose
+    send raises), or before the body began (it then has no `finally` of its own), the
+    requests would run on until collected. Here the body is closed, then `on_close()`
+    runs, shielded from a second cancellation, however the response ends."""
+
+    def __init__(self, content, *, on_close, **kw) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        import anyio
+
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):  # the response is over either way
+                    await self.body_iterator.aclose()
+                await self._on_close()
 
 
 async def read_json(http: Request, limit: int):
@@ -930,27 +981,48 @@ def build_routes(ingress, tokenize, logger):
         include_usage = bool(options.get("include_usage"))
 
         def end(i: int, reason: str | None) -> None:  # reason None: refused, not counted
-            if not ended[i]:
-                ended[i] = True
-                if reason is not None:
-                    ingress.metrics.ended(reqs[i], reason)
-            release(i)
+            try:
+                if not ended[i]:
+                    ended[i] = True
+                    if reason is not None:
+                        ingress.metrics.ended(reqs[i], reason)
+            finally:
+                release(i)
 
         def finish(i: int, result) -> None:
-            if not ended[i]:
-                ended[i] = True
-                results[i] = result
-                ingress.metrics.finished(reqs[i], result, start)
-            release(i)
+            try:
+                if not ended[i]:
+                    ended[i] = True
+                    results[i] = result
+                    ingress.metrics.finished(reqs[i], result, start)
+            finally:
+                release(i)
+
+        def settle(i: int) -> None:
+            """Choice i as its first-chunk task left it, if that is done: failed
+            (refused: not counted) or finished in its first chunk."""
+            task = firsts[i]
+            if ended[i] or not task.done() or task.cancelled():
+                return
+            if task.exception() is not None:
+                end(i, failure_reason(task.exception()))
+            elif task.result().result is not None:
+                finish(i, task.result().result)
 
         def close_now() -> None:
-            """Cancel and count every choice that has not ended (no await)."""
+            """Cancel and count every choice that has not ended (no await; each choice
+            apart, so one that raises cannot leave the others running)."""
             for task in firsts:
                 task.cancel()
             for i, req in enumerate(reqs):
-                if not ended[i]:
-                    engine.cancel(req.request_id)
-                    end(i, "CANCELLED")
+                try:
+                    settle(i)
+                    if not ended[i]:
+                        engine.cancel(req.request_id)
+                        end(i, "CANCELLED")
+                except Exception:  # a bug of ours: the rest still end
+                    logger.exception("closing choice %s of %s", i, req.request_id)
+                    release(i)
 
         async def close_later() -> None:
             await asyncio.gather(*firsts, return_exceptions=True)
@@ -969,12 +1041,6 @@ def build_routes(ingress, tokenize, logger):
             if failed_first:
                 raise failed_first[0]
         except BaseException:  # a choice failed before any token was sent, or the client left
-            for i, task in enumerate(firsts):
-                if task.done() and not task.cancelled():
-                    if task.exception() is not None:
-                        end(i, failure_reason(task.exception()))
-                    elif task.result().result is not None:  # finished in its first chunk
-                        finish(i, task.result().result)
             close_now()
             await close_later()
             raise
@@ -1037,7 +1103,12 @@ def build_routes(ingress, tokenize, logger):
             if include_usage and all(r is not None for r in results):
                 yield _sse(shape.usage_total_chunk(results, n))
 
-        return merged_events([choice(i) for i in range(len(reqs))], tail, close_now, close_later)
+        async def on_close() -> None:  # also when the body never began (the client left)
+            close_now()
+            await close_later()
+
+        events = merged_events([choice(i) for i in range(len(reqs))], tail, close_now, close_later)
+        return events, on_close
 
     async def generate(http: Request, chat: bool):
         import asyncio
@@ -1090,9 +1161,9 @@ def build_routes(ingress, tokenize, logger):
             if len(reqs) > 1:
                 reqs = [replace(r, request_id=f"{r.request_id}-{i}") for i, r in enumerate(reqs)]
                 if body.get("stream"):
-                    return StreamingResponse(
-                        await streams(reqs, n, start, field, shape, body, sent),
-                        media_type="text/event-stream",
+                    events, on_close = await streams(reqs, n, start, field, shape, body, sent)
+                    return ClosingStreamingResponse(
+                        events, on_close=on_close, media_type="text/event-stream"
                     )
                 return JSONResponse(shape.batch(reqs, await batch(reqs, start, field), n))
             (req,) = reqs
@@ -1114,7 +1185,24 @@ def build_routes(ingress, tokenize, logger):
                 timed[0] = True
 
             options = body.get("stream_options") or {}
-            return StreamingResponse(
+            began = [False]
+
+            async def on_close() -> None:
+                """The client left before the events began: they never will, so
+                nothing of theirs cancels and counts the request; this does."""
+                if began[0]:
+                    return
+                if first.result is not None:  # it finished in its first chunk
+                    ingress.metrics.finished(req, first.result, start)
+                else:
+                    ingress.engine.cancel(req.request_id)
+                    ingress.metrics.ended(req, "CANCELLED")
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+
+            return ClosingStreamingResponse(
                 sse_events(
                     shape,
                     req,
@@ -1127,7 +1215,9 @@ def build_routes(ingress, tokenize, logger):
                     running=ingress.metrics.running,
                     on_end=lambda reason: ingress.metrics.ended(req, reason),
                     sent=sent,
+                    on_start=lambda: began.__setitem__(0, True),
                 ),
+                on_close=on_close,
                 media_type="text/event-stream",
             )
         except asyncio.CancelledError:  # the client went away

@@ -109,7 +109,11 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         s = request.sampling
         max_tokens = s.max_tokens or self.drafter.runner.max_context
         sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k
+            max_tokens=max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p or 1.0,
+            top_k=s.top_k,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
         )
         self._drop(rid)  # a session of this id, or an Open of it still prefilling, ends
         token = self._opening[rid] = object()

@@ -183,6 +183,7 @@ class GrpcDrafter:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens,
+                logit_bias=dict(sampling.logit_bias),
             ),
             seed=seed,
             lease_s=self.lease_s,

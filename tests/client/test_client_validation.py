@@ -56,6 +56,14 @@ BAD_FIELDS = [
     ("stop_token_ids", 2.0),
     ("rule", 5),
     ("request_id", 7),
+    ("logit_bias", [(5, 1.0)]),  # a mapping, as OpenAI's
+    ("logit_bias", {1.5: 2.0}),
+    ("logit_bias", {"x": 2.0}),
+    ("logit_bias", {True: 2.0}),
+    ("logit_bias", {5: "2"}),
+    ("logit_bias", {5: math.nan}),
+    ("logit_bias", {5: 1.0, "5": 2.0}),
+    ("logit_bias", {1 << 63: 1.0}),
     # floats the server cannot use
     ("temperature", math.nan),
     ("top_p", math.inf),
@@ -105,8 +113,10 @@ def test_values_the_message_can_hold_go_through_unchanged():
         stop_token_ids=np.int64(7),
         rule="sps",
         request_id="r",
+        logit_bias={7: 100, "9": -100.0, np.int64(3): np.float32(0.5)},  # range: the server's
     )
     assert list(msg.prompt_token_ids.ids) == [1, 2, 3]
+    assert dict(msg.sampling.logit_bias) == {7: 100.0, 9: -100.0, 3: 0.5}
     s, sp = msg.sampling, msg.speculation
     assert (s.max_tokens, s.seed, s.logprobs, s.top_k) == ((1 << 32) - 1, (1 << 64) - 1, 0, -1)
     assert s.HasField("logprobs") and (s.temperature, s.top_p) == (-1.0, 1.0)

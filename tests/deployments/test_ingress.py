@@ -114,6 +114,24 @@ def test_defaults_fill_unset_fields(ray_session):
     assert req.prompt is None and len(req.prompt_token_ids) > 0 and req.request_id
 
 
+def test_logit_bias_reaches_the_request_and_a_bad_one_is_invalid_argument(ray_session):
+    """A GenerateRequest's logit_bias map becomes the request's sorted (id, bias) pairs;
+    an id past the vocabulary or a bias past 100 is INVALID_ARGUMENT naming the field,
+    before the engine sees it."""
+    import grpc
+
+    engine = FakeEngine()
+    shim = _shim(engine)
+    msg = CactusClient.request("def f():", logit_bias={9: -100, 3: 2.5})
+    asyncio.run(shim.Generate(msg, Ctx()))
+    assert engine.seen[-1].sampling.logit_bias == ((3, 2.5), (9, -100.0))
+    for bias in ({8192: 1.0}, {3: 100.5}):
+        ctx = Ctx()
+        asyncio.run(shim.Generate(CactusClient.request("x", logit_bias=bias), ctx))
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in ctx.details
+    assert len(engine.seen) == 1
+
+
 def test_an_unset_max_tokens_fits_the_context_the_prompt_leaves(ray_session):
     """The server's default max_tokens (not the client's) shrinks to what the prompt
     leaves of the context, as vLLM's does; a max_tokens the client set that does not fit

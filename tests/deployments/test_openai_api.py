@@ -5,6 +5,7 @@ The end-to-end tests against `make serve`'s HTTP port are in test_serve_e2e.py."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -320,7 +321,13 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": -1}, 400, "frequency_penalty"),
-        ({"prompt": "x", "logit_bias": {"17": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"17": 100.5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"x": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"9000": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"17": "5"}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": [17, 5]}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"17": 1, "017": 2}}, 400, "logit_bias"),
         ({"prompt": "x", "stream": "false"}, 400, "stream"),  # a string must not stream
         ({"prompt": [10**9]}, 400, "prompt"),  # token ids: named as sent, not prompt_token_ids
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -510,6 +517,23 @@ def test_a_model_is_retrieved_by_name_and_unknown_routes_are_openai_shaped(ray_s
             reply = _raw(app, method, path, headers=headers)
             assert reply.status_code == 401, reply.text
             assert reply.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_logit_bias_reaches_the_request_as_sorted_token_ids(ray_session, route):
+    """OpenAI's logit_bias, {"<token id>": bias}: the request gets (id, bias) pairs in
+    id order; an empty object is no bias."""
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    base = (
+        {"messages": [{"role": "user", "content": "hi"}]}
+        if route.endswith("chat/completions")
+        else {"prompt": "x"}
+    )
+    for bias, want in (({"50": -100, "7": 2.5}, ((7, 2.5), (50, -100.0))), ({}, ())):
+        reply = _raw(app, "POST", route, json={**base, "logit_bias": bias})
+        assert reply.status_code == 200, reply.text
+        assert shim.engine.seen[-1].sampling.logit_bias == want
 
 
 def test_top_p_and_max_divergence_nats_reach_the_request(ray_session):
@@ -1117,11 +1141,17 @@ def test_a_stream_of_several_choices_starts_before_a_slow_choice_has_a_token(ray
     assert shim.metrics._running == 0 and shim.engine.cancelled == []
 
 
-def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_one(ray_session):
-    """The client goes away mid-stream (Starlette cancels the task that reads the
-    response, before ASGI 2.4): every choice still running is cancelled in the engine
-    and counted CANCELLED, once, and its running slot released, by the time the
-    response's task has ended."""
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize(
+    "how", ["disconnect (ASGI 2.3)", "send fails at the start (2.4)", "send fails mid-stream (2.4)"]
+)
+def test_a_client_that_leaves_a_stream_cancels_every_choice(ray_session, n, how):
+    """The client goes away: as Serve's uvicorn reports it (ASGI 2.3: an http.disconnect,
+    on which Starlette cancels the task reading the response), or as a 2.4 server does
+    (its send raises OSError), before the response began or mid-stream. Every choice
+    still running is cancelled in the engine and counted CANCELLED, once, and its
+    running slot released, by the time the response's task has ended (Starlette never
+    closes a body; one that never began has no `finally` of its own)."""
 
     class Forever(FakeEngine):
         async def astream(self, req):
@@ -1132,11 +1162,11 @@ def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_one(ray_
 
     shim, app = _app(Forever())
     ended = []
-    shim.metrics.ended = lambda req, reason: ended.append((req.request_id[-2:], reason))
-    body = json.dumps({"prompt": "x", "n": 3, "stream": True, "max_tokens": 8}).encode()
+    shim.metrics.ended = lambda req, reason: ended.append(reason)
+    body = json.dumps({"prompt": "x", "n": n, "stream": True, "max_tokens": 8}).encode()
     scope = {
         "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},  # as Serve's uvicorn has it
+        "asgi": {"version": "3.0", "spec_version": "2.3" if "2.3" in how else "2.4"},
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
@@ -1152,6 +1182,8 @@ def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_one(ray_
         "client": ("127.0.0.1", 1),
         "server": ("cactus.test", 80),
     }
+    leave_after = {"disconnect (ASGI 2.3)": 2 * n, "send fails at the start (2.4)": -1}
+    leave_after = leave_after.get(how, 2 * n)
 
     async def go():
         leave = asyncio.Event()
@@ -1166,17 +1198,46 @@ def test_a_client_that_leaves_a_stream_of_several_choices_cancels_every_one(ray_
             return {"type": "http.disconnect"}
 
         async def send(message):
+            bodies = sum(m["type"] == "http.response.body" for m in sent)
+            if "2.4" in how and (leave_after < 0 or bodies >= leave_after):
+                raise OSError("the client is gone")
             sent.append(message)
-            if sum(m["type"] == "http.response.body" for m in sent) == 6:
+            if bodies + (message["type"] == "http.response.body") == leave_after:
                 leave.set()  # each choice's "y" and "z" went out: the client leaves
 
-        await asyncio.wait_for(app(scope, receive, send), 10.0)
+        with contextlib.suppress(Exception):  # Starlette's ClientDisconnect, for 2.4
+            await asyncio.wait_for(app(scope, receive, send), 10.0)
         # checked as the response's task ends, not after asyncio.run's own clean-up
-        return sent, sorted(shim.engine.cancelled), sorted(ended), shim.metrics._running
+        return sent, sorted(set(shim.engine.cancelled)), list(ended), shim.metrics._running
 
     sent, cancelled, ended_then, running = asyncio.run(go())
-    assert sent[0]["status"] == 200
     ids = sorted(r.request_id for r in shim.engine.seen)
-    assert len(ids) == 3 and sorted(set(cancelled)) == ids, cancelled
-    assert ended_then == [("-0", "CANCELLED"), ("-1", "CANCELLED"), ("-2", "CANCELLED")]
+    assert len(ids) == n and cancelled == ids, (cancelled, sent)
+    assert ended_then == ["CANCELLED"] * n
     assert running == 0
+    if leave_after > 0:
+        assert sent[0]["status"] == 200 and len(sent) == 1 + leave_after
+
+
+def test_a_choice_that_fails_before_its_first_chunk_after_the_stream_began(ray_session):
+    """The response began with choice 0's chunks; choice 1 then fails before its first
+    chunk: its error event ends the stream, choice 0 is cancelled."""
+    from cactus.errors import EngineFailedError
+
+    class Late(FakeEngine):
+        async def astream(self, req):
+            self.seen.append(req)
+            if req.request_id.endswith("-1"):
+                await asyncio.sleep(0.1)
+                raise EngineFailedError("gone")
+            yield GenerationChunk(req.request_id, (1,), "y")
+            await asyncio.sleep(60)
+
+    shim, app = _app(Late())
+    failures = []
+    shim.metrics.ended = lambda req, reason: failures.append((req.request_id[-2:], reason))
+    body = {"prompt": "x", "n": 2, "stream": True}
+    events = _events(_raw(app, "POST", "/v1/completions", json=body))
+    assert events[0]["choices"][0]["index"] == 0 and events[-1]["error"]["code"] == 503
+    assert sorted(failures) == [("-0", "CANCELLED"), ("-1", "ERROR")]
+    assert shim.metrics._running == 0

@@ -818,6 +818,21 @@ def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_p
     assert seeds == [kw["seed"], kw["seed"] + 1]
     assert chunk.usage.completion_tokens == len(grpc_reply.token_ids) + len(second.token_ids)
     assert chunk.usage.prompt_tokens == http.usage.prompt_tokens  # the prompt counts once
+    # logit_bias over both APIs: +100 on one token makes it every greedy token
+    tok = server.client().generate(prompt, max_tokens=1, temperature=0.0).token_ids[0]
+    favoured = server.client().generate(
+        prompt, max_tokens=6, temperature=0.0, rule="cactus", logit_bias={tok: 100.0}
+    )
+    assert list(favoured.token_ids) == [tok] * 6
+    over_http = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0.0,
+        logit_bias={str(tok): 100},
+        extra_body={"rule": "cactus"},
+    )
+    assert over_http.choices[0].text == favoured.text
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt=prompt, n=65)
     assert err.value.body["param"] == "n"

@@ -458,3 +458,51 @@ def test_a_step_that_only_prefills_still_calls_the_drafter(embedded_engine, held
     # one more prefetch in every prefill-only step, with no row in it
     assert seen == list(range(seen[0], seen[0] + len(seen))) and seen[0] >= 1, seen
     assert all(rows == [] for rows in drafter.prefetches[: seen[-1]])
+
+
+def test_logit_bias_moves_only_its_rows_tokens_before_the_processing():
+    """A row's logit_bias is added to its logits before temperature / top-k / top-p (and
+    the greedy argmax); rows without one, in the same batch, are bit-identical to their
+    solo processing; ids past the model's vocabulary (a smaller draft's) are left out."""
+    import torch
+
+    from workers.batching import processed_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    plain = SamplingParams(temperature=0.7, top_k=20)
+    favour = replace(plain, logit_bias=((7, 100.0), (60, 5.0)))  # 60: past this vocab
+    ban = SamplingParams(temperature=0.0, logit_bias=((int(logits[2].argmax()), -100.0),))
+    probs = processed_rows(logits, [plain, favour, ban])
+    assert torch.equal(probs[0], processed_rows(logits[:1], [plain])[0])
+    assert float(probs[1, 7]) > 0.999
+    want = logits[2].clone()
+    want[int(logits[2].argmax())] -= 100.0
+    assert int(probs[2].argmax()) == int(want.argmax()) != int(logits[2].argmax())
+    assert float(probs[2].max()) == 1.0  # greedy: one-hot at the biased argmax
+
+
+def test_logit_bias_reaches_the_verifier_and_the_drafter(embedded_engine, heldout_prompts):
+    """A token favoured by +100 is every token of a greedy request, whatever its rule;
+    the draft proposes from the same biased distribution, so it proposes that token and
+    the verifier accepts every draft. A sampled, seeded request with a bias gives its
+    solo tokens in a batch beside others."""
+    tok = embedded_engine.tokenizer.encode("x", add_special_tokens=False)[0]
+    bias = ((tok, 100.0),)
+    reqs = [
+        _req(heldout_prompts[i], f"bias-{rule}", rule=rule, temperature=0.0, logit_bias=bias)
+        for i, rule in enumerate(("none", "sps", "cactus", "cactus_exact"))
+    ]
+    sampled = _req(
+        heldout_prompts[5], "bias-s", temperature=0.9, seed=11, logit_bias=((tok, -100.0),)
+    )
+    solo = embedded_engine.generate(replace(sampled, request_id="bias-solo"))
+    out = _run_together(embedded_engine, [*reqs, sampled, *_mixed(heldout_prompts)[:3]])
+    for req in reqs:
+        got = _result(out[req.request_id])
+        assert set(got.token_ids) == {tok}, req.request_id
+        if req.speculation.rule != "none":
+            assert got.stats.num_draft_tokens > 0
+            assert got.stats.num_accepted_tokens == got.stats.num_draft_tokens
+    got = _result(out["bias-s"])
+    assert got.token_ids == solo.token_ids and tok not in got.token_ids

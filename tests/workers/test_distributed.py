@@ -91,6 +91,18 @@ def test_seeded_sampling_distributed_equals_in_process(
             assert dist.stats.num_accepted_tokens == local.stats.num_accepted_tokens
 
 
+def test_logit_bias_reaches_the_draft_actor(groups, heldout_prompts, embedded_engine):
+    """The draft actor gets a request's logit_bias with its session (OpenSession): with
+    +100 on one token it proposes that token, and every draft is accepted (a draft
+    without the bias would propose its own tokens, which the verifier rejects)."""
+    tok = embedded_engine.tokenizer.encode("x", add_special_tokens=False)[0]
+    req = _req(heldout_prompts[3], "bias-d", temperature=0.0, logit_bias=((tok, 100.0),))
+    got = groups[1].generate(req)
+    assert set(got.token_ids) == {tok}
+    assert got.stats.num_draft_tokens > 0 and got.stats.draft_failures == 0
+    assert got.stats.num_accepted_tokens == got.stats.num_draft_tokens
+
+
 def test_mixed_batch_tp2_gives_each_request_its_solo_tokens(
     groups, embedded_engine, heldout_prompts
 ):
