@@ -237,10 +237,9 @@ def _validate_logit_bias(bias, limits: Limits) -> None:
         if tok in seen:
             raise _invalid("logit_bias", f"token {tok} is given twice, got {pair!r}")
         seen.add(tok)
-        if (
+        if (  # the comparison refuses NaN, and an int of any size without overflowing
             isinstance(value, bool)
             or not isinstance(value, (int, float))
-            or not math.isfinite(value)
             or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE
         ):
             raise _invalid(

@@ -89,7 +89,8 @@ def _logit_bias(value) -> dict[int, float]:
         raise ValueError(f"logit_bias: must be a mapping of token id to bias, got {value!r}")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        tok = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        text = key.strip() if isinstance(key, str) else ""
+        tok = int(text) if text.isascii() and text.isdigit() and len(text) <= 20 else key
         if not _is_int(tok) or not _INT64[0] <= tok <= _INT64[1]:
             raise ValueError(f"logit_bias: keys must be int token ids, got {key!r}")
         if int(tok) in out:

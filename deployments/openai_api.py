@@ -172,11 +172,15 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, value in bias.items():
         text = str(key).strip()
-        if not (text.isascii() and text.isdigit()):
+        if not (text.isascii() and text.isdigit() and len(text) <= 20):
             raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidRequestError("logit_bias", f"biases must be numbers, got {value!r}")
-        pairs.append((int(text), float(value)))
+        try:
+            number = float(value)
+        except OverflowError:  # a JSON integer beyond any float
+            raise InvalidRequestError("logit_bias", "biases must lie in [-100, 100]") from None
+        pairs.append((int(text), number))
     if len({tok for tok, _ in pairs}) != len(pairs):
         raise InvalidRequestError("logit_bias", "a token id is given twice")
     return tuple(sorted(pairs))

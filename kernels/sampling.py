@@ -4,7 +4,8 @@ Both the draft and the verifier go through `processed_probs` with the SAME per-r
 parameters (temperature, top_k, top_p), so the acceptance rules compare like with like
 (../shared/spec/acceptance.md, "Sampling processing"). Order follows vLLM: temperature,
 then top-k, then top-p. Probabilities are float32 even when the model runs in bf16;
-uniforms are float64.
+uniforms are float64. A request's `logit_bias` is added to its logits before any of this,
+on both models' rows, by `workers.batching.processed_rows` (every caller's way in).
 
 Randomness is explicit: a row is sampled by inverse CDF from ONE float64 uniform, drawn
 from that row's own `torch.Generator`. A seeded request therefore samples the same

@@ -22,32 +22,43 @@ def processed_rows(
     logits: torch.Tensor,  # [N, V]
     params: Sequence[SamplingParams],  # [N]
 ) -> torch.Tensor:  # [N, V] float32
-    """processed_probs row by row, grouped by identical (temperature, top_k, top_p,
-    logit_bias); a row's logit_bias is added to its logits first (ids past this model's
-    vocabulary are left out: a draft's may be smaller than the verifier's)."""
+    """processed_probs row by row, grouped by identical (temperature, top_k, top_p); each
+    row's logit_bias is added to its logits first (an element-wise float32 add, so a
+    row's numbers stay the same whatever shares its batch)."""
+    logits = _biased(logits, params)
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(params):
-        groups.setdefault((s.temperature, s.top_k, s.top_p, s.logit_bias), []).append(i)
+        groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
     if len(groups) == 1:
-        (t, k, p, bias), _ = next(iter(groups.items()))
-        return processed_probs(_biased(logits, bias), temperature=t, top_k=k, top_p=p)
+        (t, k, p), _ = next(iter(groups.items()))
+        return processed_probs(logits, temperature=t, top_k=k, top_p=p)
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for (t, k, p, bias), rows in groups.items():
+    for (t, k, p), rows in groups.items():
         index = torch.tensor(rows, device=logits.device)
-        out[index] = processed_probs(_biased(logits[index], bias), temperature=t, top_k=k, top_p=p)
+        out[index] = processed_probs(logits[index], temperature=t, top_k=k, top_p=p)
     return out
 
 
-def _biased(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
-    """logits [N, V] + the bias on its tokens, in float32 (a new tensor; none: as is)."""
-    vocab = logits.shape[-1]
-    pairs = [(tok, value) for tok, value in bias if tok < vocab]
-    if not pairs:
+def _biased(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [N, V] with every row's logit_bias added, in float32 (a new tensor; no row
+    with a bias: `logits` as is). A request's rows share one bias object (its params):
+    each bias is turned into tensors once per call, whatever its rows. Ids outside this
+    model's vocabulary are left out."""
+    rows_of: dict[int, tuple[tuple, list[int]]] = {}
+    for i, s in enumerate(params):
+        if s.logit_bias:
+            rows_of.setdefault(id(s.logit_bias), (s.logit_bias, []))[1].append(i)
+    if not rows_of:
         return logits
-    ids = torch.tensor([tok for tok, _ in pairs], device=logits.device)
-    values = torch.tensor([value for _, value in pairs], dtype=torch.float32, device=logits.device)
-    out = logits.float().clone()
-    out[:, ids] += values
+    vocab, dev = logits.shape[-1], logits.device
+    out = logits.to(torch.float32, copy=True)
+    for bias, rows in rows_of.values():
+        pairs = [(tok, value) for tok, value in bias if 0 <= tok < vocab]
+        if pairs:
+            ids = torch.tensor([tok for tok, _ in pairs], device=dev)
+            values = torch.tensor([value for _, value in pairs], dtype=torch.float32, device=dev)
+            index = torch.tensor(rows, device=dev)
+            out[index[:, None], ids[None, :]] += values  # ids and rows distinct: no overlap
     return out
 
 

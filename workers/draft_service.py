@@ -107,6 +107,10 @@ class DraftServicer(pb_grpc.SpeculationServicer):
                 "request_id and prompt ids in [0, vocab) are required",
             )
         s = request.sampling
+        if any(not 0 <= t < vocab or not math.isfinite(v) for t, v in s.logit_bias.items()):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "logit_bias: ids in [0, vocab), finite biases"
+            )
         max_tokens = s.max_tokens or self.drafter.runner.max_context
         sampling = SamplingParams(
             max_tokens=max_tokens,

@@ -71,6 +71,7 @@ BAD = [
     ("logit_bias", _s(logit_bias=((5, True),))),
     ("logit_bias", _s(logit_bias=((5, 1.0), (5, -1.0)))),
     ("logit_bias", _s(logit_bias=tuple((i, 1.0) for i in range(301)))),
+    ("logit_bias", _s(logit_bias=((5, 10**400),))),  # an int no float holds: no OverflowError
     ("rule", _sp(rule="greedy")),
     ("rule", _sp(rule="tas")),  # valid rule, not enabled by these limits
     ("delta", _sp(delta=-0.5)),
@@ -165,6 +166,9 @@ def test_good_requests_pass():
     validate_request(_s(temperature=0.0, top_k=-1, top_p=1.0, seed=2**64 - 1), LIMITS)
     validate_request(_sp(rule="none", delta=0.0, max_divergence_nats=0.0), LIMITS)
     validate_request(replace(GOOD, prompt=None, prompt_token_ids=(0, 8191)), LIMITS)
+    # OpenAI's bounds: 300 tokens, biases in [-100, 100], ids in the vocabulary
+    most = (*((i, 100.0 - 0.5 * i) for i in range(299)), (8191, -100))
+    validate_request(_s(logit_bias=most), LIMITS)
 
 
 def test_the_readmes_invalid_argument_example_is_the_real_message():

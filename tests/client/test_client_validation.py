@@ -64,6 +64,8 @@ BAD_FIELDS = [
     ("logit_bias", {5: math.nan}),
     ("logit_bias", {5: 1.0, "5": 2.0}),
     ("logit_bias", {1 << 63: 1.0}),
+    ("logit_bias", {"\u00b2": 1.0}),  # a digit to str.isdigit, not to int()
+    ("logit_bias", {"1" * 5000: 1.0}),
     # floats the server cannot use
     ("temperature", math.nan),
     ("top_p", math.inf),

@@ -196,7 +196,15 @@ def exact(verifier: str, draft: str) -> dict:
     out: dict = {"need": need}
     try:
         start_serve(config, proxy_location="HeadOnly")
-        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        # Two replicas asked for on one such node: the one that fits starts, the other
+        # waits for resources (placement), and takes the second node once it joins. (A
+        # second serve.run to scale would replace both replicas: an imperative deploy
+        # gets a new version every time.)
+        two = from_dict({**raw, "autoscaling": {"min_replicas": 2, "max_replicas": 2}})
+        serve._run(build_app(two), name=config.app_name, route_prefix="/", _blocking=False)
+        deadline = time.monotonic() + 300
+        while _replicas(config.app_name) < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
         client = CactusClient(f"127.0.0.1:{port}", timeout=120)
         out["one"] = {
             "replicas": _replicas(config.app_name),
@@ -205,8 +213,6 @@ def exact(verifier: str, draft: str) -> dict:
             "free_gpu": _free("GPU"),
         }
         cluster.add_node(**node)
-        two = from_dict({**raw, "autoscaling": {"min_replicas": 2, "max_replicas": 2}})
-        serve.run(build_app(two), name=config.app_name, route_prefix="/")
         deadline = time.monotonic() + 300
         while _replicas(config.app_name) < 2 and time.monotonic() < deadline:
             time.sleep(1)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 
 import httpx2
 import openai
@@ -328,6 +329,8 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "logit_bias": {"17": "5"}}, 400, "logit_bias"),
         ({"prompt": "x", "logit_bias": [17, 5]}, 400, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"17": 1, "017": 2}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"17": 10**400}}, 400, "logit_bias"),  # beyond a float
+        ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),  # past int()'s digits
         ({"prompt": "x", "stream": "false"}, 400, "stream"),  # a string must not stream
         ({"prompt": [10**9]}, 400, "prompt"),  # token ids: named as sent, not prompt_token_ids
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -1158,6 +1161,8 @@ def test_a_client_that_leaves_a_stream_cancels_every_choice(ray_session, n, how)
             self.seen.append(req)
             yield GenerationChunk(req.request_id, (1,), "y")
             yield GenerationChunk(req.request_id, (2,), "z")
+            await asyncio.sleep(0.2)  # a third chunk: the send that finds the client gone
+            yield GenerationChunk(req.request_id, (3,), "w")
             await asyncio.sleep(60)
 
     shim, app = _app(Forever())
@@ -1205,8 +1210,12 @@ def test_a_client_that_leaves_a_stream_cancels_every_choice(ray_session, n, how)
             if bodies + (message["type"] == "http.response.body") == leave_after:
                 leave.set()  # each choice's "y" and "z" went out: the client leaves
 
-        with contextlib.suppress(Exception):  # Starlette's ClientDisconnect, for 2.4
+        from starlette.requests import ClientDisconnect
+
+        began = time.monotonic()
+        with contextlib.suppress(ClientDisconnect, OSError):  # how 2.4's send failure ends
             await asyncio.wait_for(app(scope, receive, send), 10.0)
+        assert time.monotonic() - began < 5.0  # ended by the client's leaving, not a timeout
         # checked as the response's task ends, not after asyncio.run's own clean-up
         return sent, sorted(set(shim.engine.cancelled)), list(ended), shim.metrics._running
 

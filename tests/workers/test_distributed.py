@@ -101,6 +101,14 @@ def test_logit_bias_reaches_the_draft_actor(groups, heldout_prompts, embedded_en
     assert set(got.token_ids) == {tok}
     assert got.stats.num_draft_tokens > 0 and got.stats.draft_failures == 0
     assert got.stats.num_accepted_tokens == got.stats.num_draft_tokens
+    # sampled and seeded, a bias the draft must apply as the verifier does: the tokens
+    # and the acceptance are the in-process engine's
+    bias = ((tok, 3.0), (tok + 1, -100.0))
+    kw = {"temperature": 0.9, "seed": 77, "logit_bias": bias}
+    local = embedded_engine.generate(_req(heldout_prompts[4], "bias-l", **kw))
+    dist = groups[1].generate(_req(heldout_prompts[4], "bias-d2", **kw))
+    assert dist.token_ids == local.token_ids and tok + 1 not in dist.token_ids
+    assert dist.stats.num_accepted_tokens == local.stats.num_accepted_tokens
 
 
 def test_mixed_batch_tp2_gives_each_request_its_solo_tokens(
