@@ -304,8 +304,8 @@ class CactusClient(_Client):
     ) -> pb.GenerateRequest:
         """The GenerateRequest of these parameters. A None leaves its field unset (absent
         from the message, or proto3's default where the field is not `optional`: top_k 0,
-        rule "", no stops, request_id "", time_limit_s 0), which the server reads as its
-        default.
+        rule "", no stops, no logit_bias, request_id "", time_limit_s 0), which the server
+        reads as its default.
 
         A value the message cannot hold (a wrong type, a negative count, an integer past
         its field's width, a NaN or infinite float, a bytes prompt) is a ValueError that

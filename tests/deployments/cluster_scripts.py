@@ -202,9 +202,14 @@ def exact(verifier: str, draft: str) -> dict:
         # gets a new version every time.)
         two = from_dict({**raw, "autoscaling": {"min_replicas": 2, "max_replicas": 2}})
         serve._run(build_app(two), name=config.app_name, route_prefix="/", _blocking=False)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 240
         while _replicas(config.app_name) < 1 and time.monotonic() < deadline:
+            app = serve.status().applications.get(config.app_name)
+            if app is not None and app.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"the application failed to deploy: {app.message}")
             time.sleep(0.5)
+        if _replicas(config.app_name) < 1:
+            raise RuntimeError(f"no replica started in 240 s: {serve.status()}")
         client = CactusClient(f"127.0.0.1:{port}", timeout=120)
         out["one"] = {
             "replicas": _replicas(config.app_name),
@@ -224,7 +229,9 @@ def exact(verifier: str, draft: str) -> dict:
             "free_cpu": _free("CPU"),
             "free_gpu": _free("GPU"),
         }
-        # Scale-down drains: streams running on the replica that goes away finish.
+        # Scale-down drains: streams running on the replicas that go away finish (an
+        # imperative deploy has a new version, so both old replicas drain and one new
+        # replica starts).
         # Greedy, so each runs its whole 160 tokens (this prompt's greedy continuation
         # has no EOS before that) and none can end early, before the scale-down starts.
         results: list = []

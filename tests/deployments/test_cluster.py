@@ -64,15 +64,15 @@ def test_autoscaling_up_under_load_and_back_down():
 def test_a_node_with_exactly_one_replicas_resources_serves_it():
     """TP = 2 with one GPU per rank declared to Ray (models on CPU): a node declaring
     exactly the replica's bundles starts it (nothing is reserved twice) and a second
-    such node takes a second replica, with nothing left over; scaling back to one
-    drains the other without cutting a stream."""
+    such node takes a second replica, with nothing left over; scaling back to one (a
+    redeploy: both old replicas drain, one new one starts) cuts no stream."""
     verifier, draft = embedded_dirs()
     got = _run("exact", verifier, draft)
     assert got["need"] == {"CPU": 1.0, "GPU": 2.0}, got
     assert got["one"] == {"replicas": 1, "tokens": 8, "free_cpu": 0.0, "free_gpu": 0.0}, got
     assert got["two"]["replicas"] == 2 and got["two"]["streams"] == [8] * 4, got
     assert got["two"]["free_cpu"] == 0.0 and got["two"]["free_gpu"] == 0.0, got
-    # Scaling back to one replica drained the other: every running stream finished.
+    # Scaling back to one replica drained the old ones: every running stream finished.
     # The streams were running when the scale-down started (each had tokens, none had
     # finished), so the drain had streams to wait for.
     at_scale_down = got["drain"]["at_scale_down"]

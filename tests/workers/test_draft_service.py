@@ -118,6 +118,29 @@ def test_an_open_that_cannot_prefill_is_refused_and_leaks_no_row(runner, monkeyp
     asyncio.run(run())
 
 
+def test_an_open_with_a_bias_the_draft_cannot_use_is_refused(runner):
+    """The engine validates logit_bias first; the draft service still refuses ids
+    outside its vocabulary (a negative one would index from the end) and non-finite
+    biases, before any row is taken. A good bias opens the session with it."""
+    servicer = DraftServicer(LocalDrafter(runner))
+
+    async def run():
+        for bias in ({-1: 1.0}, {runner.vocab_size: 1.0}, {5: float("nan")}):
+            msg = _open("b", [5, 6, 7])
+            msg.sampling.logit_bias.update(bias)
+            with pytest.raises(Aborted) as err:
+                await servicer.Open(msg, CTX)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "logit_bias" in str(err.value)
+            assert runner.num_sequences == 0 and not servicer.sessions
+        msg = _open("b", [5, 6, 7])
+        msg.sampling.logit_bias.update({9: -100.0, 4: 2.0})
+        await servicer.Open(msg, CTX)
+        assert servicer.drafter._reqs["b"].sampling.logit_bias == ((4, 2.0), (9, -100.0))
+
+    asyncio.run(run())
+
+
 def test_bad_commit_fields_fail_their_row_alone(runner):
     """An out-of-range next token would fail the next batched forward (every row), and
     more accepted tokens than the block held would put the draft side out of step."""
