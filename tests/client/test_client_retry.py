@@ -389,13 +389,14 @@ UNSET = {
     "request_id": None,
     "time_limit_s": None,
     "logprobs": None,
+    "logit_bias": None,
 }
 
 
 def test_none_leaves_every_request_field_unset():
     """README: a field left unset (None in the clients) takes the server's default: an
     `optional` field is absent from the message, any other holds proto3's default (top_k
-    0, rule "", no stops, request_id "", time_limit_s 0), which the server reads as
+    0, rule "", no stops, no logit_bias, request_id "", time_limit_s 0), which the server reads as
     unset. A None for any of them is the same message as leaving it out."""
     assert set(UNSET) == set(CactusClient.request.__kwdefaults__)  # every parameter
     msg = CactusClient.request("p", **UNSET)
@@ -409,6 +410,7 @@ def test_none_leaves_every_request_field_unset():
     for name in ("delta", "num_speculative_tokens", "max_divergence_nats"):
         assert not sp.HasField(name), name
     assert (s.top_k, list(s.stop), list(s.stop_token_ids)) == (0, [], [])
+    assert dict(s.logit_bias) == {}
     assert (sp.rule, msg.request_id, msg.time_limit_s) == ("", "", 0.0)
     # set values still go through
     msg = CactusClient.request("p", top_k=5, rule="sps", request_id="r", time_limit_s=2.0)
