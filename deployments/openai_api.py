@@ -181,9 +181,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         except OverflowError:  # a JSON integer beyond any float
             raise InvalidRequestError("logit_bias", "biases must lie in [-100, 100]") from None
         pairs.append((int(text), number))
-    if len({tok for tok, _ in pairs}) != len(pairs):
-        raise InvalidRequestError("logit_bias", "a token id is given twice")
-    return tuple(sorted(pairs))
+    return tuple(sorted(pairs))  # "7" and "07" both: the shared validator refuses the twice
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -717,14 +715,13 @@ async def sse_events(
                 await aclose()
 
 
-async def merged_events(choices: list, tail, close_now, close_later) -> AsyncIterator[str]:
+async def merged_events(choices: list, tail) -> AsyncIterator[str]:
     """Several choices' events in one stream, as they come; each choice's own events stay
     in order. A choice's events are (event, ends) pairs: `ends` marks a failed choice's
     error event, after which the response ends. `tail()`: the events after every choice
-    ended (the usage chunk). However the stream ends (its end, a failure, the client
-    going away), `close_now()` then cancels and counts every choice that had not ended:
-    synchronously, first, so no later cancellation can skip it; `close_later()` then
-    closes what is left, shielded from a second cancellation."""
+    ended (the usage chunk). However the stream ends, the choices still running are
+    cancelled here (their own `finally` cancels and counts their requests); what never
+    began is the response's `on_close` to end (ClosingStreamingResponse)."""
     import asyncio
 
     import anyio
@@ -761,10 +758,8 @@ async def merged_events(choices: list, tail, close_now, close_later) -> AsyncIte
     finally:
         for task in tasks:
             task.cancel()
-        close_now()
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
-            await close_later()
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -1013,9 +1008,11 @@ def build_routes(ingress, tokenize, logger):
             elif task.result().result is not None:
                 finish(i, task.result().result)
 
-        def close_now() -> None:
-            """Cancel and count every choice that has not ended (no await; each choice
-            apart, so one that raises cannot leave the others running)."""
+        async def close() -> None:
+            """Cancel and count every choice that has not ended: first, with no await
+            (each choice apart, so one that raises cannot leave the others running);
+            then close the engine streams. Also when the body never began (the client
+            left): ClosingStreamingResponse's on_close."""
             for task in firsts:
                 task.cancel()
             for i, req in enumerate(reqs):
@@ -1027,8 +1024,6 @@ def build_routes(ingress, tokenize, logger):
                 except Exception:  # a bug of ours: the rest still end
                     logger.exception("closing choice %s of %s", i, req.request_id)
                     release(i)
-
-        async def close_later() -> None:
             await asyncio.gather(*firsts, return_exceptions=True)
             for it in its:
                 aclose = getattr(it, "aclose", None)
@@ -1045,8 +1040,7 @@ def build_routes(ingress, tokenize, logger):
             if failed_first:
                 raise failed_first[0]
         except BaseException:  # a choice failed before any token was sent, or the client left
-            close_now()
-            await close_later()
+            await close()
             raise
 
         def choice(i: int):
@@ -1107,12 +1101,7 @@ def build_routes(ingress, tokenize, logger):
             if include_usage and all(r is not None for r in results):
                 yield _sse(shape.usage_total_chunk(results, n))
 
-        async def on_close() -> None:  # also when the body never began (the client left)
-            close_now()
-            await close_later()
-
-        events = merged_events([choice(i) for i in range(len(reqs))], tail, close_now, close_later)
-        return events, on_close
+        return merged_events([choice(i) for i in range(len(reqs))], tail), close
 
     async def generate(http: Request, chat: bool):
         import asyncio

@@ -634,7 +634,7 @@ def test_cancel_mid_stream_frees_the_caches(server, long_prompt):
     send_request_to_replica ends on GeneratorExit without cancelling the replica call;
     met in most full `make test` runs here), so the request carries a time limit that ends it
     if so, and the test tries up to CANCEL_TRIES times: a cancellation that never reaches the
-    engine fails all three."""
+    engine fails every try."""
     client = server.client()
 
     def leave_early() -> bool:
