@@ -21,6 +21,9 @@ MAX_STOP_TOKEN_IDS = 64
 # carries it, so an unbounded one would swell every step's messages for the whole batch.
 MAX_REQUEST_ID_CHARS = 256
 MAX_SEED = 2**64 - 1
+# The widest draft block any drafter takes (K): the ceiling of the config's
+# speculation.max_num_speculative_tokens, and the draft service's bound on the wire.
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True)

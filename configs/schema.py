@@ -18,6 +18,8 @@ from typing import Annotated
 import yaml
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError
 
+from cactus.params import MAX_DRAFT_TOKENS
+
 REPO = Path(__file__).resolve().parent.parent
 RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
 POLICIES = ("fixed", "goodput")  # workers/policy.py
@@ -86,7 +88,7 @@ class SpeculationConfig(_Model):
     default_rule: Str = doc("rule used when a request names none", "cactus")
     default_delta: Float = doc("delta (nats) used when a request sets none", 1.0)
     default_num_speculative_tokens: Int = doc("K used when a request sets none", 4)
-    max_num_speculative_tokens: Int = doc("largest K a request may ask for", 8)
+    max_num_speculative_tokens: Int = doc("largest K a request may ask for (at most 64)", 8)
     delta_ceiling: Float = doc("largest delta a request may ask for (nats)", 4.0)
     allowed_rules: tuple[Str, ...] = doc("rules requests may use", RULES)
     tas_threshold: Float = doc(
@@ -141,7 +143,8 @@ class LimitsConfig(_Model):
     )
     max_health_watches: Int = doc(
         "open grpc.health.v1 Watch calls per replica (Watch needs no token and holds one of "
-        "the max_ongoing_requests slots while open); beyond: RESOURCE_EXHAUSTED",
+        "the max_ongoing_requests slots while open; at most max_ongoing_requests - 1, so one "
+        "slot stays for requests); beyond: RESOURCE_EXHAUSTED",
         4,
     )
     max_message_bytes: Int = doc(
@@ -199,7 +202,7 @@ class BatchingConfig(_Model):
     )
     batch_wait_ms: Float = doc(
         "an idle engine, given a request, waits up to this long for each further arrival "
-        "(5 waits at most) before its first step, so a burst starts in one step; a busy "
+        "(5 x this in all at most) before its first step, so a burst starts in one step; a busy "
         "engine never waits. 0 = step at once",
         2.0,
     )
@@ -379,7 +382,9 @@ def validate(c: ServeConfig) -> None:
         f"must lie in [0, delta_ceiling={s.delta_ceiling}]",
     )
     _check(
-        s.max_num_speculative_tokens >= 1, "speculation.max_num_speculative_tokens", "must be >= 1"
+        1 <= s.max_num_speculative_tokens <= MAX_DRAFT_TOKENS,
+        "speculation.max_num_speculative_tokens",
+        f"must lie in [1, {MAX_DRAFT_TOKENS}] (the widest draft block a drafter takes)",
     )
     _check(
         1 <= s.default_num_speculative_tokens <= s.max_num_speculative_tokens,

@@ -1165,8 +1165,29 @@ def build_routes(ingress, tokenize, logger):
                     result = await ingress.engine.agenerate(req)
                 ingress.metrics.finished(req, result, start, unary=True)
                 return JSONResponse(shape.whole(req, result))
-            stream = ingress.engine.astream(req)
-            first = await anext(stream)  # a failure before the first token: a status
+            # running from here, as over gRPC: a stream waiting for an engine row or a
+            # restart is a running request (the gauge, and admit()'s bound, count it)
+            slot, held = ingress.metrics.running(), [True]
+            slot.__enter__()
+
+            def release() -> None:
+                if held[0]:
+                    held[0] = False
+                    slot.__exit__(None, None, None)
+
+            @contextlib.contextmanager
+            def running():  # counted since before the first chunk; ends with the stream
+                try:
+                    yield
+                finally:
+                    release()
+
+            try:
+                stream = ingress.engine.astream(req)
+                first = await anext(stream)  # a failure before the first token: a status
+            except BaseException:
+                release()
+                raise
             # the first chunk with a token is timed as the first token (a request whose
             # time ran out while it waited for a row sends its result alone: no token)
             timed = [bool(first.token_ids)]
@@ -1185,6 +1206,7 @@ def build_routes(ingress, tokenize, logger):
                 nothing of theirs cancels and counts the request; this does."""
                 if began[0]:
                     return
+                release()
                 if first.result is not None:  # it finished in its first chunk
                     ingress.metrics.finished(req, first.result, start)
                 else:
@@ -1205,7 +1227,7 @@ def build_routes(ingress, tokenize, logger):
                     on_done=lambda result: ingress.metrics.finished(req, result, start),
                     cancel=ingress.engine.cancel,
                     on_token=on_token,
-                    running=ingress.metrics.running,
+                    running=running,
                     on_end=lambda reason: ingress.metrics.ended(req, reason),
                     sent=sent,
                     on_start=lambda: began.__setitem__(0, True),

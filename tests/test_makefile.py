@@ -126,6 +126,60 @@ def test_make_stop_kills_a_server_that_outlasts_stop_timeout():
         pid.unlink(missing_ok=True)
 
 
+STUCK_RAY_SERVER = """
+import signal, sys, time
+sys.path.insert(0, ".")
+from cactus import environment
+environment.apply()
+import ray
+ray.init(address="local", num_cpus=1, include_dashboard=False)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(300)  # stands in for deployments.serve, with the Ray head it started
+"""
+
+
+def test_make_stop_takes_the_ray_head_a_killed_server_started_with_it():
+    """README: a server that outlasts STOP_TIMEOUT is SIGKILLed "with the Ray head it
+    started": the head's GCS and raylet (started by the server's ray.init, which ties
+    them to it) and the raylet's workers are gone soon after, none left holding the
+    node's ports and resources. (Ray's agent processes notice the raylet's end by
+    themselves, a minute or two later: not asserted here.)"""
+    import psutil
+
+    port = "59938"
+    pid = REPO / ".cache" / f"serve-{port}.pid"
+    stuck = subprocess.Popen(
+        [sys.executable, "-c", STUCK_RAY_SERVER], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert stuck.stdout.readline().strip() == "ready"
+        head = psutil.Process(stuck.pid).children(recursive=True)
+        names = {p.name() for p in head}
+        assert {"gcs_server", "raylet"} <= names, names
+        pid.parent.mkdir(exist_ok=True)
+        pid.write_text(str(stuck.pid))
+        out = _make_stop(port, "STOP_TIMEOUT=2")
+        assert out.returncode != 0 and "killed it (SIGKILL)" in out.stderr, out.stderr
+        stuck.wait(timeout=10)
+        core = [p for p in head if "Agent" not in p.name()]
+
+        def gone(p) -> bool:
+            try:
+                return p.status() == psutil.STATUS_ZOMBIE  # ended, not reaped
+            except psutil.NoSuchProcess:
+                return True
+
+        deadline = time.monotonic() + 30
+        while not all(gone(p) for p in core) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert all(gone(p) for p in core), [(p.pid, p.name()) for p in core if not gone(p)]
+    finally:
+        stuck.kill()
+        stuck.wait(timeout=10)
+        pid.unlink(missing_ok=True)
+
+
 def test_make_clean_refuses_while_a_server_runs(tmp_path):
     """make clean removes the cache, where make stop finds a server's pid: it refuses
     while the server runs, and cleans once it has gone (in a scratch directory, cache

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import grpc
 
 from cactus.errors import WorkerUnavailableError
-from cactus.params import SamplingParams
+from cactus.params import MAX_DRAFT_TOKENS, SamplingParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
 from workers.interfaces import ProposeRow
-from workers.local import DRAFT_PREFILL_CHUNK, MAX_DRAFT_TOKENS, LocalDrafter
+from workers.local import DRAFT_PREFILL_CHUNK, LocalDrafter
 from workers.wire import KEY_METADATA, MAX_MESSAGE_BYTES, fill_block, status_code
 
 # Reply bytes beyond its rows (draft_s), and per row beyond its own (tag and length).

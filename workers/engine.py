@@ -565,8 +565,15 @@ class SpeculativeEngine:
             )
             state.drafting = False
             return
+        # The draft row holds what the verifier row does, prompt + max_tokens at most: a
+        # session opened after tokens were committed (a resumed request, a new drafter)
+        # reserves only the tokens still to come beyond its context, not max_tokens again.
+        sampling = state.request.sampling
+        left = max(1, sampling.max_tokens - state.num_generated)
+        if left != sampling.max_tokens:
+            sampling = replace(sampling, max_tokens=left)
         try:
-            self.drafter.start(state.id, context, state.request.sampling, state.draft_seed)
+            self.drafter.start(state.id, context, sampling, state.draft_seed)
         except DRAFTER_FAILURES as err:
             self._drafter_failed(state, err)
 

@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cactus.errors import EngineStartError
+from cactus.errors import EngineStartError, RequestCancelledError
 from workers.processes import kill_processes
 from workers.scheduler import SchedulerConfig
 
@@ -125,6 +125,9 @@ class EngineGroup:
         self.followers: list = []
         self.draft_address = ""
         self.placement: dict = {}
+        # request id -> its calls to rank 0 in flight (refs): `cancel` drops one still
+        # queued for a rank-0 thread, which rank 0's cancel flag cannot reach
+        self._calls: dict[str, list] = {}
         # "draft" / "ranks": [(node id, process identity)] of their actors, for _end
         self._processes: dict = {}
         # replace_draft, restart_ranks (the supervisor's threads) and shutdown: one at a time
@@ -301,11 +304,19 @@ class EngineGroup:
         old, self.draft = self.draft, None
         self._end([old], self._processes.pop("draft", []))
         self.draft_generation += 1
-        self._start_draft()
-        self._wait(
-            self.rank0.attach_draft.remote(self.draft_address),
-            "rank 0 did not attach the new draft actor",
-        )
+        try:
+            self._start_draft()
+            self._wait(
+                self.rank0.attach_draft.remote(self.draft_address),
+                "rank 0 did not attach the new draft actor",
+            )
+        except BaseException:
+            # A new actor that did not take over (it loaded too late, or rank 0 could
+            # not attach it) is ended: it must not hold the draft bundle, nor answer the
+            # health probe as if rank 0 drafted with it.
+            failed, self.draft = self.draft, None
+            self._end([failed] if failed is not None else [], self._processes.pop("draft", []))
+            raise
 
     def restart_ranks(self) -> None:
         """Gang restart: every rank is killed and started again in the same bundle (a
@@ -349,37 +360,58 @@ class EngineGroup:
         for ref in self.rank0.stream.options(num_returns="streaming").remote(request):
             yield ray.get(ref)
 
+    @contextlib.contextmanager
+    def _in_flight(self, request_id: str, ref):
+        """Registers a call to rank 0 for `cancel`; yields a list that holds True once
+        `cancel` has dropped it."""
+        call = [ref, False]
+        calls = self._calls.setdefault(request_id, [])
+        calls.append(call)
+        try:
+            yield call
+        finally:
+            calls.remove(call)
+            if not calls and self._calls.get(request_id) is calls:
+                del self._calls[request_id]
+
     async def agenerate(self, request):
         """A caller that is cancelled (its client went away or its deadline passed)
         cancels the request on rank 0: awaiting a Ray call does not stop it there."""
         ref = self.rank0.generate.remote(request)
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            # a call still queued for a thread of rank 0 (more calls than its
-            # max_concurrency: a batch of prompts) must never start: Ray drops it; one
-            # that has started (its cancel flag registered first thing) stops by the flag
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)
-            self.cancel(request.request_id)
-            raise
+        with self._in_flight(request.request_id, ref) as call:
+            try:
+                return await ref
+            except asyncio.CancelledError:
+                self.cancel(request.request_id)
+                raise
+            except ray.exceptions.TaskCancelledError:
+                if call[1]:  # dropped by `cancel` before a rank-0 thread took it
+                    raise RequestCancelledError(
+                        f"request {request.request_id} was cancelled"
+                    ) from None
+                raise
 
     async def astream(self, request):
         """Async iteration of GenerationChunk objects (for the Serve ingress); a caller
         that stops early (cancelled, or closing the iterator) cancels it on rank 0."""
         finished = False
         chunks = self.rank0.stream.options(num_returns="streaming").remote(request)
-        try:
-            async for ref in chunks:
-                chunk = await ref
-                finished = chunk.result is not None
-                yield chunk
-        except (asyncio.CancelledError, GeneratorExit):
-            if not finished:
-                with contextlib.suppress(Exception):  # still queued for a thread: dropped
-                    ray.cancel(chunks)
-                self.cancel(request.request_id)
-            raise
+        with self._in_flight(request.request_id, chunks) as call:
+            try:
+                async for ref in chunks:
+                    chunk = await ref
+                    finished = chunk.result is not None
+                    yield chunk
+            except (asyncio.CancelledError, GeneratorExit):
+                if not finished:
+                    self.cancel(request.request_id)
+                raise
+            except ray.exceptions.TaskCancelledError:
+                if call[1]:
+                    raise RequestCancelledError(
+                        f"request {request.request_id} was cancelled"
+                    ) from None
+                raise
 
     def model_info(self) -> dict:
         return ray.get(self.rank0.model_info.remote())
@@ -395,9 +427,18 @@ class EngineGroup:
             return False
 
     def cancel(self, request_id: str) -> None:
-        """Cancel on rank 0. During a gang restart there is no rank 0 for a moment
-        (`ranks` is empty): nothing to cancel then, the old ranks are being killed with
-        their requests, and a cancel (a drain's cut, a client's) must not raise."""
+        """Cancel on rank 0. A call still queued for a thread of rank 0 (more calls
+        than its max_concurrency: a batch of prompts) must never start: Ray drops it
+        (ray.cancel; a call already running is left to Ray, which cannot interrupt a
+        threaded actor's method); one that has started (its cancel flag registered
+        first thing) stops by the flag. During a gang restart there is no rank 0 for a
+        moment (`ranks` is empty): nothing to cancel then, the old ranks are being
+        killed with their requests, and a cancel (a drain's cut, a client's) must not
+        raise."""
+        for call in list(self._calls.get(request_id, ())):
+            call[1] = True
+            with contextlib.suppress(Exception):
+                ray.cancel(call[0])
         ranks = self.ranks
         if ranks:
             ranks[0].cancel.remote(request_id)

@@ -18,8 +18,6 @@ from workers.batch_runner import BatchRunner, CapacityError
 from workers.batching import padded_uniforms, processed_rows
 from workers.interfaces import DraftBlock, ProposeRow
 
-# The widest block a drafter accepts: one place for the wire and the in-process side.
-MAX_DRAFT_TOKENS = 64
 # Draft prefill chunk: the draft actor yields to other calls between chunks, and the
 # in-process drafter prefills in the same chunks, so both compute the same draft cache
 # (seeded requests draft the same tokens in-process and distributed).

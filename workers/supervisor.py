@@ -282,8 +282,9 @@ class EngineSupervisor:
     def speculating(self) -> bool:
         """The draft actor answered the last probe, or a new one has taken over since
         one did not: False from a failed draft probe until its replacement is up (the
-        health service's "" is NOT_SERVING meanwhile, serving.md)."""
-        return self.draft_ok and self._replacing_draft is None
+        health service's "" is NOT_SERVING meanwhile, serving.md). False for good once
+        replacing it was given up: rank 0 has no drafter then, whatever answers."""
+        return self.draft_ok and self._replacing_draft is None and not self.draft_given_up
 
     def alive(self) -> bool:
         """False once recovery gave up: Serve then replaces the replica."""

@@ -79,9 +79,11 @@ class Recorder(pb_grpc.CactusServicer):
 
     def __init__(self) -> None:
         self.received: list[pb.GenerateRequest] = []
+        self.metadata: list[dict] = []
 
     def _refuse(self, request, context) -> None:
         self.received.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
         if request.prompt in REFUSED:
             context.abort(*REFUSED[request.prompt])
 
@@ -164,6 +166,22 @@ def test_client_command_sends_unset_fields_and_reads_zero_as_unset(recorder, cap
         ["\n"],
     )
     assert msg.sampling.max_tokens == 9
+
+
+def test_client_token_defaults_to_the_environment_variable(recorder, monkeypatch, capsys):
+    """README: `--token` defaults to $CACTUS_AUTH_TOKEN (sent as `authorization: Bearer`
+    metadata); the flag wins over it, and with neither no authorization is sent."""
+    servicer, address = recorder
+    argv = ["client", "--address", address, "--prompt", "x"]
+    monkeypatch.setenv("CACTUS_AUTH_TOKEN", "from-env")
+    assert main(argv) == 0
+    assert servicer.metadata[-1].get("authorization") == "Bearer from-env"
+    assert main([*argv, "--token", "from-flag"]) == 0
+    assert servicer.metadata[-1].get("authorization") == "Bearer from-flag"
+    monkeypatch.delenv("CACTUS_AUTH_TOKEN")
+    assert main(argv) == 0
+    assert "authorization" not in servicer.metadata[-1]
+    assert capsys.readouterr().out.split() == ["ok"] * 3
 
 
 def test_client_values_protobuf_cannot_hold_are_an_error_not_a_traceback(capsys):

@@ -49,6 +49,11 @@ def test_cluster_example_is_multi_node():
             "speculation.default_rule",
         ),
         ({"limits": {"max_ongoing_requests": 0}}, "limits.max_ongoing_requests"),
+        # wider than any drafter's block: every request asking for it would degrade
+        (
+            {"speculation": {"max_num_speculative_tokens": 65}},
+            "speculation.max_num_speculative_tokens",
+        ),
         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling.min_replicas"),
         ({"resources": {"draft": {"num_cpus": "lots"}}}, "resources.draft.num_cpus"),
         ({"resources": {"draft": {"resources": {"x": True}}}}, "resources.draft.resources.x"),

@@ -128,9 +128,15 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     says it was degraded and resumed. A seeded sampled stream beside it (with logprobs,
     which name every token) resumes too, with no gap and no repeat: the tokens it
     streamed are exactly its usage's completion tokens (max_tokens of them unless it
-    reached EOS). A unary
+    reached EOS). Beside them, a seeded chat stream of n = 2 choices with logprobs and
+    usage (each choice streams every token once: its logprob entries sum to the usage's
+    completion tokens, one finish chunk per choice) and a greedy gRPC stream of the
+    same prompt as the first (the same uninterrupted text): mixed traffic over both
+    APIs through both kills. A unary
     request sent right after the rank kill waits for the restart and is served."""
     import httpx2
+
+    from client.client import CactusClient
 
     base_url, _, ray_address, grpc_address, _ = chat_server
     prompt, max_tokens = heldout_prompts[9], 400
@@ -163,6 +169,45 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     def text() -> str:
         return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
 
+    chat_events: list[dict] = []
+    chat_body = {
+        "model": "verifier",
+        "messages": [{"role": "user", "content": heldout_prompts[2]}],
+        "max_completion_tokens": 300,
+        "stream": True,
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 5,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    def consume_chat() -> None:
+        with (
+            httpx2.Client(timeout=300) as http,
+            http.stream("POST", f"{base_url}/chat/completions", json=chat_body) as reply,
+        ):
+            chat_events.append({"status": reply.status_code})
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chat_events.append(json.loads(line[len("data: ") :]))
+
+    grpc_chunks: list = []
+    grpc_failure: list = []
+
+    def consume_grpc() -> None:
+        client = CactusClient(grpc_address, timeout=300)
+        try:
+            grpc_chunks.extend(
+                client.stream(
+                    prompt, max_tokens=max_tokens, temperature=0.0, rule="cactus", delta=1.0
+                )
+            )
+        except grpc.RpcError as err:
+            grpc_failure.append(err)
+        finally:
+            client.close()
+
     # README (Standard services): a Watch sends the status now, then every change; the
     # Cactus service (does the replica take requests) stays SERVING through the draft
     # kill, which the whole server ("") does not
@@ -185,10 +230,14 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     seeded = {"prompt": heldout_prompts[4], "temperature": 0.8, "top_k": 20, "seed": 11}
     seeded |= {"delta": 1.0, "logprobs": 0, "stream_options": {"include_usage": True}}
     sampler = threading.Thread(target=consume, args=(seeded, sampled, []))
+    chatter = threading.Thread(target=consume_chat)
+    grpc_reader = threading.Thread(target=consume_grpc)
     with killer(ray_address) as kill:
-        reader.start()
-        sampler.start()
-        while not (events and sampled) and reader.is_alive() and sampler.is_alive():
+        for thread in (reader, sampler, chatter, grpc_reader):
+            thread.start()
+        while not (events and sampled and len(chat_events) > 2 and grpc_chunks) and all(
+            t.is_alive() for t in (reader, sampler, chatter, grpc_reader)
+        ):
             time.sleep(0.05)
         kill("draft")
         at_draft_kill = len(text())
@@ -204,10 +253,28 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         late: list = []
         arrival = threading.Thread(target=lambda: late.append(_complete(base_url, "def g():")))
         arrival.start()
-        reader.join(timeout=300)
-        sampler.join(timeout=300)
-        arrival.join(timeout=300)
+        for thread in (reader, sampler, arrival, chatter, grpc_reader):
+            thread.join(timeout=300)
     assert not reader.is_alive() and not sampler.is_alive()
+    assert not chatter.is_alive() and not grpc_reader.is_alive()
+    # the gRPC stream: OK, the uninterrupted greedy text, no token lost or repeated
+    assert not grpc_failure, grpc_failure
+    assert "".join(c.text for c in grpc_chunks) == want.text
+    assert [t for c in grpc_chunks for t in c.token_ids] == list(want.token_ids)
+    # the chat stream of two choices: every token of each choice streamed once
+    assert chat_events[0] == {"status": 200}, chat_events[:2]
+    assert not any("error" in e for e in chat_events), [e for e in chat_events if "error" in e]
+    per_choice = {0: 0, 1: 0}
+    finishes = {0: 0, 1: 0}
+    for e in chat_events[1:]:
+        for c in e.get("choices") or ():
+            per_choice[c["index"]] += len((c.get("logprobs") or {}).get("content") or ())
+            finishes[c["index"]] += c.get("finish_reason") is not None
+    assert finishes == {0: 1, 1: 1}, finishes
+    chat_usage = [e["usage"] for e in chat_events[1:] if e.get("usage")]
+    assert len(chat_usage) == 1, chat_usage
+    assert chat_usage[0]["completion_tokens"] == sum(per_choice.values()), (chat_usage, per_choice)
+    assert all(0 < n <= 300 for n in per_choice.values()), per_choice
     assert late and late[0].status_code == 200, late
     assert late[0].json()["choices"][0]["finish_reason"] == "length", late[0].text
     lines = [line for line in raw if line]

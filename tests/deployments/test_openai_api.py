@@ -14,6 +14,7 @@ import httpx2
 import openai
 import pytest
 
+from cactus.errors import WorkerUnavailableError
 from cactus.params import GenerationRequest
 from deployments.ingress import tokenize
 from deployments.openai_api import build_routes
@@ -491,8 +492,34 @@ def test_an_http_stream_is_counted_in_the_latency_and_running_metrics(ray_sessio
     )
     assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
     # FakeEngine streams three one-token chunks, then the result alone: a first-token
-    # latency, two inter-token latencies taken while the stream counted as running
-    assert seen == [("first", 0), ("next", 1), ("next", 1)], seen
+    # latency, two inter-token latencies, all taken while the stream counted as running
+    assert seen == [("first", 1), ("next", 1), ("next", 1)], seen
+    assert shim.metrics._running == 0
+
+
+def test_an_http_stream_counts_as_running_while_it_waits_for_its_first_chunk(ray_session):
+    """A stream that waits for an engine row or a restart before its first chunk is a
+    running request, as over gRPC (the ingress counts it before astream): the gauge
+    shows it, and admit()'s bound for a batch of choices counts it. Whatever ends it,
+    the count goes back to 0."""
+    waiting: list = []
+
+    class Waits(FakeEngine):
+        async def astream(self, req):
+            waiting.append(shim.metrics._running)  # before its first chunk
+            if req.sampling.max_tokens == 7:  # the second call: fails before any chunk
+                raise WorkerUnavailableError("the engine restarts")
+            async for chunk in super().astream(req):
+                yield chunk
+
+    shim, app = _app(Waits())
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt": "x", "stream": True}
+    reply = _raw(app, "POST", "/v1/completions", json=body, headers=auth)
+    assert reply.status_code == 200 and reply.text.rstrip().endswith("data: [DONE]")
+    failed = _raw(app, "POST", "/v1/completions", json={**body, "max_tokens": 7}, headers=auth)
+    assert failed.status_code == 503, failed.text
+    assert waiting == [1, 1], waiting
     assert shim.metrics._running == 0
 
 

@@ -506,3 +506,45 @@ def test_logit_bias_reaches_the_verifier_and_the_drafter(embedded_engine, heldou
             assert got.stats.num_accepted_tokens == got.stats.num_draft_tokens
     got = _result(out["bias-s"])
     assert got.token_ids == solo.token_ids and tok not in got.token_ids
+
+
+def _reserve(runner, rid):
+    return runner._reserves[runner._ids.index(rid)]
+
+
+def test_a_reopened_draft_session_reserves_what_its_verifier_row_does(
+    embedded_engine, heldout_prompts
+):
+    """A draft session opened after tokens were committed (a resumed request; every
+    running request re-opened on a new drafter after a draft actor died) reserves the
+    request's own length, prompt + max_tokens, as its verifier row does: not max_tokens
+    more on top of the tokens already generated, which made a tight KV budget refuse
+    later draft sessions (those requests then decoded without drafts)."""
+    engine = embedded_engine
+    draft_runner = engine.drafter.runner
+    first = engine.generate(_req(heldout_prompts[0], "first", temperature=0.0, max_tokens=40))
+    resumed = replace(
+        _req(heldout_prompts[0], "resumed", temperature=0.0, max_tokens=40),
+        resume_token_ids=tuple(first.token_ids[:15]),
+    )
+    seen = []
+
+    def on_step(steps, _batch):
+        if steps == 3:  # mid-request: re-open every session, as a new draft actor does
+            assert engine.attach_drafter(engine.drafter) == 2
+        for rid in ("resumed", "fresh"):
+            state = engine._live.get(rid)
+            if state is not None and rid in draft_runner._ids and state.drafting:
+                seen.append(
+                    (rid, steps, _reserve(draft_runner, rid), _reserve(engine.verifier.runner, rid))
+                )
+
+    fresh = _req(heldout_prompts[1], "fresh", temperature=0.0, max_tokens=40)
+    out = _run_together(engine, [resumed, fresh], on_step=on_step)
+    assert {rid for rid, *_ in seen} == {"resumed", "fresh"}
+    assert any(steps >= 3 for _, steps, *_ in seen)  # after the re-open too
+    assert all(draft == verify for _, _, draft, verify in seen), seen
+    # and the resumed request still speculates to the end and gives its solo tokens
+    again = _result(out["resumed"])
+    assert again.token_ids == first.token_ids
+    assert again.stats.draft_failures == 0 and again.stats.num_draft_tokens > 0

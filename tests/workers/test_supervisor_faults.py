@@ -215,6 +215,67 @@ def test_a_draft_actor_that_cannot_be_replaced_is_given_up_on():
     assert result.text == "ok"
 
 
+def test_a_draft_that_answers_after_the_give_up_does_not_make_the_server_serving():
+    """A replacement that fails after its actor started (rank 0 could not attach it)
+    may leave something answering the draft probe; once the supervisor has given up,
+    rank 0 has no drafter, so the server ("") must stay NOT_SERVING (speculating False)
+    over later probes."""
+
+    class AttachFails(FlakyGroup):
+        def __init__(self) -> None:
+            super().__init__(fail=0)
+            self.draft = SimpleNamespace(status=_Answer(fail=True))
+            self.replacements = 0
+
+        def replace_draft(self) -> None:
+            self.replacements += 1
+            self.draft = SimpleNamespace(status=_Answer())  # up, but never attached
+            raise RuntimeError("rank 0 did not attach the new draft actor")
+
+    async def run():
+        group = AttachFails()
+        sup = EngineSupervisor(group, _config(restart_attempts=2))
+        assert (await sup.agenerate(_req("r"))).text == "ok"
+        deadline = time.monotonic() + 30
+        while not sup.draft_given_up and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        seen = []
+        for _ in range(12):  # several probe periods after the give-up
+            seen.append(sup.speculating())
+            await asyncio.sleep(0.25)
+        return group, sup, seen
+
+    group, sup, seen = asyncio.run(run())
+    assert sup.draft_given_up and group.replacements == 2
+    assert group.draft.status.calls >= 2  # the probe went on asking it, and it answered
+    assert not any(seen), seen
+    assert sup.state == "SERVING"
+
+
+def test_a_draft_replacement_that_fails_ends_the_new_actor(fake_ray):
+    """EngineGroup: a new draft actor that rank 0 could not attach is killed and
+    forgotten (group.draft None), so it neither holds the bundle nor answers probes."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    old = _Actor("old-draft", log)
+    group.draft, group.ranks = old, [_Actor("rank0", log)]
+    new = _Actor("new-draft", log)
+
+    def start_draft() -> None:
+        group.draft, group.draft_address = new, "127.0.0.1:1"
+
+    def wait(ref, what):
+        raise EngineStartError(what)
+
+    group._start_draft, group._wait = start_draft, wait
+    with pytest.raises(EngineStartError, match="did not attach"):
+        group.replace_draft()
+    assert group.draft is None
+    assert fake_ray == [old, new]  # both ended
+
+
 # ---- EngineGroup.shutdown against a gang restart -------------------------------------
 
 
@@ -276,3 +337,73 @@ def test_group_shutdown_waits_for_a_restart_and_refuses_later_ones(fake_ray):
     with pytest.raises(EngineStartError, match="shut down"):
         group.replace_draft()
     assert len(starts) == 1
+
+
+def test_a_cancel_drops_a_call_still_queued_for_a_rank0_thread(ray_session):
+    """Rank 0 runs at most max_concurrency calls at once; a batch of prompts (HTTP `n`,
+    a prompt list) can queue more. A cancel (a drain's cut, a client's) must end a
+    queued call too (a drain's cut frees the running calls' threads at once, and the
+    queued ones would then start and run to their max_tokens): rank 0's cancel flag
+    only reaches a call that has started, so EngineGroup.cancel drops the queued one
+    (ray.cancel). It never runs; its caller gets RequestCancelledError when rank 0's
+    thread frees (Ray answers a dropped call when it reaches the front of the queue)."""
+    import ray
+
+    from workers.group import EngineGroup, GroupConfig
+
+    @ray.remote(max_concurrency=1, concurrency_groups={"control": 1})
+    class OneThreadRank:
+        def __init__(self) -> None:
+            self.started: list[str] = []
+            self.flags: dict[str, threading.Event] = {}
+
+        def generate(self, request):
+            flag = self.flags.setdefault(request.request_id, threading.Event())
+            self.started.append(request.request_id)
+            if flag.wait(timeout=30):
+                raise RequestCancelledError(f"request {request.request_id} was cancelled")
+            return "done"
+
+        @ray.method(concurrency_group="control")
+        def cancel(self, request_id: str) -> None:  # as VerifierRank's: started calls only
+            flag = self.flags.get(request_id)
+            if flag is not None:
+                flag.set()
+
+        @ray.method(concurrency_group="control")
+        def seen(self) -> list[str]:
+            return list(self.started)
+
+    rank0 = OneThreadRank.remote()
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.ranks = [rank0]
+
+    async def outcome(task) -> str:
+        try:
+            await asyncio.wait_for(task, 10.0)
+            return "finished"
+        except RequestCancelledError:
+            return "cancelled"
+        except TimeoutError:
+            return "still waiting"
+
+    async def run():
+        running = asyncio.ensure_future(group.agenerate(_req("running")))
+        while await rank0.seen.remote() != ["running"]:
+            await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(group.agenerate(_req("queued")))
+        await asyncio.sleep(0.5)  # queued behind "running" on rank 0's one thread
+        start = time.monotonic()
+        group.cancel("queued")
+        group.cancel("running")  # the started call: by rank 0's flag
+        outcomes = [await outcome(running), await outcome(queued)]
+        took = time.monotonic() - start
+        await asyncio.sleep(0.5)  # a dropped call that wrongly started would show now
+        return outcomes, took, await rank0.seen.remote()
+
+    outcomes, took, seen = asyncio.run(run())
+    # on the old code the queued call started once "running" ended, and waited 30 s
+    assert outcomes == ["cancelled", "cancelled"] and took < 5.0, (outcomes, took)
+    assert seen == ["running"]  # the queued call never ran
+    assert group._calls == {}  # nothing left registered
+    ray.kill(rank0)
