@@ -19,6 +19,7 @@ import asyncio
 import math
 import numbers
 import random
+import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Set
@@ -105,6 +106,19 @@ def _logit_bias(value) -> dict[int, float]:
 def _str_field(name: str, value) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{name}: must be a str, got {value!r} ({type(value).__name__})")
+    return _utf8(name, value)
+
+
+def _utf8(name: str, value: str) -> str:
+    """A str protobuf can send (UTF-8): a lone surrogate (undecodable bytes in argv
+    become them) is a ValueError naming the field, not protobuf's UnicodeEncodeError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name}: must be valid Unicode text (UTF-8), got {value[err.start : err.end]!r} "
+            f"at character {err.start}"
+        ) from None
     return value
 
 
@@ -176,9 +190,13 @@ class RetryPolicy:
 
     def backoff(self, retry: int, rng: random.Random) -> float:
         """Full jitter: uniform in [0, min(max, initial * multiplier ** retry)]."""
-        # the exponent is bounded: multiplier ** retry overflows a float near retry 1024
-        growth = self.multiplier ** min(retry, 64)
-        cap = min(self.max_backoff_s, self.initial_backoff_s * growth)
+        # the exponent is bounded (multiplier ** retry overflows a float near retry 1024),
+        # and a large multiplier that overflows sooner is past any cap
+        try:
+            growth = float(self.multiplier) ** min(retry, 64)
+            cap = min(self.max_backoff_s, self.initial_backoff_s * growth)
+        except OverflowError:
+            cap = self.max_backoff_s if self.initial_backoff_s > 0 else 0.0
         return rng.uniform(0.0, cap)
 
 
@@ -221,6 +239,67 @@ class _Attempts:
         return self.deadline - time.monotonic() >= MIN_RETRY_LEFT_S
 
 
+def _cancelled_error() -> grpc.RpcError:
+    """The RpcError a stream cancelled through `last_call.cancel()` raises (the same
+    status and details as grpc's own)."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="Locally cancelled by application!",
+    )
+
+
+class StreamCall:
+    """`last_call`: the client's latest stream across its attempts (each retry is a new
+    gRPC call). `cancel()` cancels the attempt running now and every later one: a
+    stream cancelled while it waits to retry, or before its first iteration, raises
+    RpcError CANCELLED instead of starting a call. Every other attribute (`code()`,
+    `details()`, `done()`, ...) is the current attempt's call's."""
+
+    def __init__(self) -> None:
+        self.call = None  # the current attempt's gRPC call; None before the first
+        self.cancel_requested = False
+        self.finished = False  # the stream ended with its last chunk
+        self._wake = threading.Event()  # ends a pause before a retry
+
+    def cancel(self) -> bool:
+        """Cancel the stream; False if it had already ended with its last chunk."""
+        if self.finished:
+            return False
+        self.cancel_requested = True
+        self._wake.set()
+        if self.call is not None:
+            self.call.cancel()
+        return True
+
+    def cancelled(self) -> bool:
+        return self.cancel_requested or (self.call is not None and self.call.cancelled())
+
+    def pause(self, seconds: float) -> None:
+        """The blocking client's pause before a retry; a cancel ends it at once."""
+        self._wake.wait(seconds)
+
+    async def apause(self, seconds: float) -> None:
+        """The asyncio client's (a cancel from another thread too: it is polled)."""
+        end = time.monotonic() + seconds
+        while not self.cancel_requested and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.02))
+
+    def attempt(self, call):
+        """The next attempt's call (cancelled at once if the stream was)."""
+        self.call = call
+        if self.cancel_requested:
+            call.cancel()
+        return call
+
+    def __getattr__(self, name):
+        call = self.__dict__.get("call")
+        if call is None:
+            raise AttributeError(f"{name!r}: the stream has not started a call yet")
+        return getattr(call, name)
+
+
 async def _read(call):
     """call.read(), except that a call cancelled through `last_call.cancel()` (not by
     cancelling the task) raises RpcError CANCELLED, as the blocking client's does, where
@@ -258,14 +337,19 @@ class _Client:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         self.timeout = _timeout(timeout)  # before the channel: nothing left to close
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ValueError(
+                f"retry: must be a RetryPolicy (NO_RETRY turns retries off) or None, "
+                f"got {retry!r} ({type(retry).__name__})"
+            )
         self.channel = self._channel(address, options=options)
         self.stub = pb_grpc.CactusStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
-        self.retry = retry or RetryPolicy()
+        self.retry = RetryPolicy() if retry is None else retry
         self._rng = random.Random()
         self.last_attempts = 0  # attempts the last call made (tests, logs)
-        self.last_call = None  # the latest stream's call (to cancel it); None before one
+        self.last_call = None  # the latest stream (a StreamCall, to cancel it); None before one
 
     def _deadline_s(self, timeout: float | None) -> float:
         """A call's deadline: its own `timeout`, or the client's where it is None."""
@@ -336,7 +420,7 @@ class CactusClient(_Client):
         }
         # one stop string or id, as OpenAI clients accept (a str is not a list of chars)
         if stop is None or isinstance(stop, str):
-            stops = [] if stop is None else [stop]
+            stops = [] if stop is None else [_utf8("stop", stop)]
         elif isinstance(stop, bytes | bytearray | Mapping) or not isinstance(stop, Iterable):
             raise ValueError(f"stop: must be a str or a sequence of str, got {stop!r}")
         else:
@@ -347,6 +431,7 @@ class CactusClient(_Client):
                         f"stop: must be a str or a sequence of str; item {i} is {one!r} "
                         f"({type(one).__name__})"
                     )
+                _utf8("stop", one)
         if stop_token_ids is None:
             stop_ids = []
         elif _is_int(stop_token_ids):
@@ -369,7 +454,7 @@ class CactusClient(_Client):
         limit_s = floats.get("time_limit_s", 0.0)
         msg = pb.GenerateRequest(request_id=request_id, time_limit_s=limit_s)
         if ids is None:
-            msg.prompt = prompt
+            msg.prompt = _utf8("prompt", prompt)
         else:
             msg.prompt_token_ids.ids.extend(ids)
         s = msg.sampling
@@ -425,33 +510,44 @@ class CactusClient(_Client):
         The request is checked here, so a bad value raises ValueError at this call; the
         call itself (and its deadline) starts at the first iteration."""
         msg = self.request(prompt, **kw)
-        return self._stream(msg, self._deadline_s(timeout))
+        deadline = self._deadline_s(timeout)
+        self.last_call = handle = StreamCall()
+        return self._stream(msg, deadline, handle)
 
-    def _stream(self, msg: pb.GenerateRequest, timeout: float) -> Iterator[pb.GenerateResponse]:
+    def _stream(
+        self, msg: pb.GenerateRequest, timeout: float, handle: StreamCall
+    ) -> Iterator[pb.GenerateResponse]:
         own = msg.time_limit_s
         attempts = _Attempts(self.retry, timeout, self._rng)
         while True:
-            call = self.stub.GenerateStream(
-                attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+            if handle.cancel_requested:  # before the first attempt, or while it waited
+                raise _cancelled_error()
+            call = handle.attempt(
+                self.stub.GenerateStream(
+                    attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+                )
             )
-            self.last_call = call
             try:
                 try:
                     first = next(call)
                 except StopIteration:
+                    handle.finished = True
                     return
                 except grpc.RpcError as err:
                     pause = attempts.wait_after(err)
                     self.last_attempts = attempts.made
-                    if pause is None:
+                    if pause is None or handle.cancel_requested:
                         raise
-                    time.sleep(pause)
+                    handle.pause(pause)
+                    if handle.cancel_requested:
+                        raise _cancelled_error() from None
                     if not attempts.time_for_another():  # the pause overran
                         raise
                     continue
                 self.last_attempts = attempts.made + 1
                 yield first
                 yield from call  # from here on an error is the caller's: never retried
+                handle.finished = True
                 return
             finally:
                 if not call.done():
@@ -516,36 +612,45 @@ class AsyncCactusClient(_Client):
         the first chunk arrives. Leaving the loop early (break, cancellation) cancels the
         call. As in the blocking client, a bad value raises ValueError at this call."""
         msg = self.request(prompt, **kw)
-        return self._stream(msg, self._deadline_s(timeout))
+        deadline = self._deadline_s(timeout)
+        self.last_call = handle = StreamCall()
+        return self._stream(msg, deadline, handle)
 
     async def _stream(
-        self, msg: pb.GenerateRequest, timeout: float
+        self, msg: pb.GenerateRequest, timeout: float, handle: StreamCall
     ) -> AsyncIterator[pb.GenerateResponse]:
         own = msg.time_limit_s
         attempts = _Attempts(self.retry, timeout, self._rng)
         while True:
-            call = self.stub.GenerateStream(
-                attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+            if handle.cancel_requested:  # before the first attempt, or while it waited
+                raise _cancelled_error()
+            call = handle.attempt(
+                self.stub.GenerateStream(
+                    attempts.bound(msg, own), timeout=attempts.left_s(), metadata=self.metadata
+                )
             )
-            self.last_call = call
             try:
                 try:
                     first = await _read(call)
                 except grpc.RpcError as err:
                     pause = attempts.wait_after(err)
                     self.last_attempts = attempts.made
-                    if pause is None:
+                    if pause is None or handle.cancel_requested:
                         raise
-                    await asyncio.sleep(pause)
+                    await handle.apause(pause)
+                    if handle.cancel_requested:
+                        raise _cancelled_error() from None
                     if not attempts.time_for_another():  # the pause overran
                         raise
                     continue
                 if first is grpc.aio.EOF:
+                    handle.finished = True
                     return
                 self.last_attempts = attempts.made + 1
                 yield first
                 while (chunk := await _read(call)) is not grpc.aio.EOF:
                     yield chunk
+                handle.finished = True
                 return
             finally:
                 if not call.done():

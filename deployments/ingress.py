@@ -502,6 +502,10 @@ class CactusIngress:
             details = (
                 f"{cap} health Watch calls are open on this replica (limits.max_health_watches, "
                 "and at most limits.max_ongoing_requests - 1: one request slot stays free)"
+                if cap > 0
+                else "health Watch is off on this replica (limits.max_health_watches is 0, or "
+                "limits.max_ongoing_requests is 1, whose one slot is kept for requests): "
+                "use Check"
             )
             if grpc_context is not None:
                 grpc_context.set_code(code)

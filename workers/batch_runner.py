@@ -38,6 +38,7 @@ from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.utils import logging as hf_logging
 
 from cactus import environment
+from cactus.params import MAX_DRAFT_TOKENS
 from workers.model_runner import LoadedModel
 
 environment.apply()  # also in Ray workers: offline Hugging Face
@@ -47,6 +48,11 @@ SLOT_ROUND = 64  # T capacity is a multiple of this (unless the budget caps it)
 # Idle tokens (rows that sit out, padding) one model call may compute to spare a second call:
 # on a GPU a small forward costs about one read of the weights whatever its token count.
 MERGE_SLACK_TOKENS = 64
+# A chunk longer than any decode block (K + 1 <= MAX_DRAFT_TOKENS + 1) is a prompt's: a
+# burst admitted together holds adjacent rows, and short chunks beside a long one in one
+# call would each be padded to it ([9, 440] for 512 tokens of budget), so a long chunk
+# starts a piece of its own, joined to its neighbours only where the merge rule allows.
+LONG_CHUNK_TOKENS = MAX_DRAFT_TOKENS + 2
 LOGIT_MODES = ("all", "last", "none")
 
 
@@ -369,20 +375,25 @@ class BatchRunner(LoadedModel):
 
         One call computes every row of its range [r0, r1), [r1 - r0, widest] tokens, and
         rows drift apart (a release moves the last row into a hole, admissions append), so
-        a prefill of rows 0 and 7 in one call would also compute rows 1-6. Runs of adjacent
-        rows with tokens stay one call each (as before); a run joins the call before it
-        while that call computes at most twice the tokens its runs would alone, or at most
-        MERGE_SLACK_TOKENS more (one call per drafting step however its rows lie)."""
+        a prefill of rows 0 and 7 in one call would also compute rows 1-6. Pieces are runs
+        of adjacent rows with tokens, with each prompt chunk longer than any decode block
+        (LONG_CHUNK_TOKENS) a piece of its own (short chunks beside it would be padded to
+        it); a piece joins the call before it while that call computes at most twice the
+        tokens its pieces would alone, or at most MERGE_SLACK_TOKENS more (one call per
+        decode or drafting step however its rows lie)."""
         active = sorted((row, len(token_ids[i]), i) for i, row in enumerate(rows) if token_ids[i])
-        runs: list[list[tuple[int, int, int]]] = []  # (row, tokens, index)
-        for item in active:
-            if runs and runs[-1][-1][0] == item[0] - 1:
-                runs[-1].append(item)
-            else:
-                runs.append([item])
 
         def dense(members) -> int:  # tokens a call over these rows' range computes
             return (members[-1][0] - members[0][0] + 1) * max(n for _, n, _ in members)
+
+        runs: list[list[tuple[int, int, int]]] = []  # (row, tokens, index)
+        for item in active:
+            adjacent = runs and runs[-1][-1][0] == item[0] - 1
+            long = item[1] >= LONG_CHUNK_TOKENS
+            if adjacent and not long and runs[-1][-1][1] < LONG_CHUNK_TOKENS:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
 
         groups: list[tuple[list, int]] = []  # (members, tokens its runs compute alone)
         for run in runs:

@@ -311,9 +311,10 @@ class EngineGroup:
                 "rank 0 did not attach the new draft actor",
             )
         except BaseException:
-            # A new actor that did not take over (it loaded too late, or rank 0 could
-            # not attach it) is ended: it must not hold the draft bundle, nor answer the
-            # health probe as if rank 0 drafted with it.
+            # A new actor whose start or attach failed (it loaded too late, or rank 0
+            # could not attach it, or an attach that outlasted the wait switched late:
+            # the next try replaces it) is ended: it must not hold the draft bundle,
+            # nor answer the health probe as if rank 0 drafted with it.
             failed, self.draft = self.draft, None
             self._end([failed] if failed is not None else [], self._processes.pop("draft", []))
             raise
@@ -362,9 +363,9 @@ class EngineGroup:
 
     @contextlib.contextmanager
     def _in_flight(self, request_id: str, ref):
-        """Registers a call to rank 0 for `cancel`; yields a list that holds True once
-        `cancel` has dropped it."""
-        call = [ref, False]
+        """Registers a call to rank 0 for `cancel`: [ref, dropped by `cancel`, started
+        (a stream that has sent a chunk, which rank 0's cancel flag reaches)]."""
+        call = [ref, False, False]
         calls = self._calls.setdefault(request_id, [])
         calls.append(call)
         try:
@@ -400,6 +401,7 @@ class EngineGroup:
             try:
                 async for ref in chunks:
                     chunk = await ref
+                    call[2] = True
                     finished = chunk.result is not None
                     yield chunk
             except (asyncio.CancelledError, GeneratorExit):
@@ -407,6 +409,8 @@ class EngineGroup:
                     self.cancel(request.request_id)
                 raise
             except ray.exceptions.TaskCancelledError:
+                if finished:  # the whole stream came: nothing was lost
+                    return
                 if call[1]:
                     raise RequestCancelledError(
                         f"request {request.request_id} was cancelled"
@@ -429,13 +433,16 @@ class EngineGroup:
     def cancel(self, request_id: str) -> None:
         """Cancel on rank 0. A call still queued for a thread of rank 0 (more calls
         than its max_concurrency: a batch of prompts) must never start: Ray drops it
-        (ray.cancel; a call already running is left to Ray, which cannot interrupt a
-        threaded actor's method); one that has started (its cancel flag registered
-        first thing) stops by the flag. During a gang restart there is no rank 0 for a
-        moment (`ranks` is empty): nothing to cancel then, the old ranks are being
-        killed with their requests, and a cancel (a drain's cut, a client's) must not
-        raise."""
+        (ray.cancel: Ray answers it TaskCancelledError when it reaches the front of the
+        queue). One that has started (its cancel flag registered first thing) stops by
+        the flag at its next step; a stream that has sent a chunk has started, and is
+        left to the flag alone (Ray's cancel of a running stream could drop chunks it
+        already made). During a gang restart there is no rank 0 for a moment (`ranks`
+        is empty): nothing to cancel then, the old ranks are being killed with their
+        requests, and a cancel (a drain's cut, a client's) must not raise."""
         for call in list(self._calls.get(request_id, ())):
+            if call[2]:
+                continue
             call[1] = True
             with contextlib.suppress(Exception):
                 ray.cancel(call[0])

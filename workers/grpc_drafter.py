@@ -404,22 +404,44 @@ class GrpcDrafter:
         and a finished request must not hold up the step (a lost Close is covered by
         the draft side's lease). On the session lane it follows this request's Open (or
         Open would reopen the session) and precedes every later Open."""
-        if self._sessions.pop(request_id, None) is None:
+        session = self._sessions.pop(request_id, None)
+        if session is None:
             return
         msg = pb.CloseSession(request_id=request_id)
+        first: list[Future] = []  # calls the lane's Close must follow
+        opening = session.opening
+        if opening is not None and not opening.done():
+            if opening.cancel():  # still queued on the lane: never sent, nothing to close
+                return
+            # Its Open is running (a long prompt's draft prefill, cancelled or out of
+            # time): a Close on another sender stops it at its next chunk (the draft side
+            # frees the row), so the Opens queued behind it on the lane, and the step
+            # that waits for them, do not wait for the whole prefill. The lane's Close
+            # below still follows it in order (a no-op if this one closed the session).
+            with contextlib.suppress(Exception):
+                first.append(self._send(self._stub.Close, msg))
         pending = self._prefetch
         if pending is not None and any(row.request_id == request_id for row, _ in pending[0]):
             # a prefetched ProposeBatch drafting for this session is on its way on another
             # sender: Close (and an Open of the id after it on the lane) must reach the
             # draft side after it, or it would draft for the new session
-            in_flight, stub, timeout = pending[1], self._stub, self.timeout_s
+            first.append(pending[1])
+        if first:
+            stub, timeout = self._stub, self.timeout_s
 
-            def close_after_prefetch(_msg, timeout=timeout):
-                with contextlib.suppress(Exception):  # its outcome is propose's business
-                    in_flight.result(timeout=timeout)
+            def close_after(_msg, timeout=timeout):
+                for call in first:
+                    try:
+                        call.result(timeout=timeout)
+                    except TimeoutError:  # never started (a busy sender): never will
+                        if not call.cancel():  # running: its own deadline bounds it
+                            with contextlib.suppress(Exception):
+                                call.result()
+                    except Exception:  # its outcome is not ours
+                        pass
                 return stub.Close(_msg, timeout=timeout)
 
-            method = close_after_prefetch
+            method = close_after
         else:
             method = self._stub.Close
         with contextlib.suppress(Exception):  # a closed client: the lease frees it

@@ -487,3 +487,100 @@ def test_a_stream_cancelled_through_last_call_raises_cancelled_in_both_clients(f
 
     cancelled = grpc.StatusCode.CANCELLED
     assert asyncio.run(run()) == ("a", cancelled, True, cancelled)
+
+
+def test_a_stream_cancelled_before_it_starts_or_while_it_waits_to_retry_makes_no_call(
+    flaky, monkeypatch
+):
+    """`last_call` is the stream from `stream()` on, across its attempts: cancelled
+    before the first iteration, or during the pause before a retry (an overloaded
+    server said RESOURCE_EXHAUSTED), the stream raises RpcError CANCELLED and starts
+    no further call, in both clients. (It used to be the attempt's call: a cancel in
+    the pause reached the finished attempt and the retry ran the whole stream.)"""
+    servicer, address = flaky
+    monkeypatch.setattr(RetryPolicy, "backoff", lambda self, retry, rng: 3.0)
+    cancelled = grpc.StatusCode.CANCELLED
+    client = CactusClient(address, retry=FAST, timeout=10)
+    stream = client.stream("x")
+    client.last_call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        next(stream)
+    assert err.value.code() == cancelled and servicer.calls == 0
+
+    servicer.failures, servicer.code = 1, grpc.StatusCode.RESOURCE_EXHAUSTED
+    outcome: list = []
+
+    def consume() -> None:
+        try:
+            outcome.extend(c.text for c in client.stream("x"))
+        except grpc.RpcError as failed:
+            outcome.append(failed.code())
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    deadline = time.monotonic() + 5
+    while servicer.calls < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # in the 3 s pause before the retry
+    cancelled_at = time.monotonic()
+    assert client.last_call.cancel()
+    reader.join(timeout=5)
+    waited = time.monotonic() - cancelled_at
+    time.sleep(0.3)
+    assert outcome == [cancelled] and servicer.calls == 1, (outcome, servicer.calls)
+    assert waited < 2.0, waited  # the cancel ends the pause, not its end
+    client.close()
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        servicer.calls, servicer.failures = 0, 0
+        early = aclient.stream("x")
+        aclient.last_call.cancel()
+        try:
+            await anext(early)
+            before = "a chunk"
+        except grpc.RpcError as failed:
+            before = failed.code()
+        calls_before = servicer.calls
+        servicer.failures = 1
+
+        async def consume_async():
+            try:
+                return [c.text async for c in aclient.stream("x")]
+            except grpc.RpcError as failed:
+                return failed.code()
+
+        task = asyncio.create_task(consume_async())
+        while servicer.calls < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        cancelled_at = time.monotonic()
+        aclient.last_call.cancel()
+        waiting = await asyncio.wait_for(task, 5)
+        quick = time.monotonic() - cancelled_at < 2.0
+        await asyncio.sleep(0.3)
+        await aclient.close()
+        return before, calls_before, waiting, servicer.calls, quick
+
+    assert asyncio.run(run()) == (cancelled, 0, cancelled, 1, True)
+
+
+@pytest.mark.parametrize("retry", [False, 0, 3, {"max_attempts": 1}])
+def test_a_retry_that_is_no_policy_is_a_value_error_naming_it(retry):
+    """`retry=False` used to mean the default policy (five attempts, the opposite of
+    what it says), and `retry=3` failed with an AttributeError at the first retry."""
+    with pytest.raises(ValueError, match=r"^retry: "):
+        CactusClient("127.0.0.1:1", retry=retry)
+    with pytest.raises(ValueError, match=r"^retry: "):
+        AsyncCactusClient("127.0.0.1:1", retry=retry)
+
+
+def test_a_large_multiplier_backs_off_at_most_max_backoff():
+    """multiplier ** retry overflowed a float (OverflowError) long before retry 64 for a
+    large multiplier."""
+    rng = random.Random(0)
+    for multiplier in (1e10, 10**6):
+        policy = RetryPolicy(multiplier=multiplier, max_attempts=100)
+        assert all(0 <= policy.backoff(r, rng) <= policy.max_backoff_s for r in range(70))
+    still = RetryPolicy(initial_backoff_s=0.0, max_backoff_s=0.0, multiplier=1e10)
+    assert still.backoff(63, rng) == 0.0

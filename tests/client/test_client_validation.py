@@ -73,6 +73,12 @@ BAD_FIELDS = [
     ("max_divergence_nats", math.nan),
     ("time_limit_s", math.inf),
     ("temperature", 10**400),  # an int too large for a float
+    # text protobuf cannot encode (undecodable bytes in argv become lone surrogates):
+    # protobuf's UnicodeEncodeError named no field
+    ("stop", "\ud800"),
+    ("stop", ["ok", "a\udcff"]),
+    ("rule", "\ud800"),
+    ("request_id", "id-\udc80"),
 ]
 
 
@@ -83,7 +89,7 @@ def test_request_refuses_a_bad_value_naming_its_field(field, value):
     assert "Value out of range" not in str(err.value)
 
 
-BAD_PROMPTS = [b"def f():", bytearray(b"ab"), memoryview(b"ab"), None, 5, 1.5]
+BAD_PROMPTS = [b"def f():", bytearray(b"ab"), memoryview(b"ab"), None, 5, 1.5, "def \udcff():"]
 # items that are no token ids; a set has no order; 1 << 63 is past int64
 BAD_PROMPTS += [[1, "2"], [1, 2.0], [True], {1, 2}, {1: 2}, [1 << 63]]
 

@@ -369,6 +369,15 @@ def test_a_forward_computes_its_rows_not_the_idle_rows_between_them(tiny_checkpo
     assert computed <= 2 * 32, calls  # the old single call: [8, 20] = 160 tokens
     assert sorted(calls) == [(1, 12), (1, 20)]
 
+    # a burst admitted together (adjacent rows): short prompts' chunks beside a long
+    # one's are not all padded to the long chunk (the step's token budget is what the
+    # model computes): [7, 4] and [1, 100], not [8, 100]
+    for burst in ([toks(4) for _ in range(7)] + [toks(100)], [toks(100)] + [toks(4)] * 7):
+        calls = check(seqs, burst, mode="none")
+        assert sorted(calls) == [(1, 100), (7, 4)], calls
+        for s, block in zip(seqs, burst, strict=True):
+            bat.rollback(s, len(block))  # back to the decode check's lengths
+            ref.rollback(s, len(block))
     # decode: every row but one (prefilling, sits out), ragged K + 1: one call
     ids = [s for s in seqs if s != "s3"]
     calls = check(ids, [toks(1 + i % 3) for i in range(len(ids))], mode="last")

@@ -548,3 +548,47 @@ def test_a_reopened_draft_session_reserves_what_its_verifier_row_does(
     again = _result(out["resumed"])
     assert again.token_ids == first.token_ids
     assert again.stats.draft_failures == 0 and again.stats.num_draft_tokens > 0
+
+
+def test_a_request_whose_time_runs_out_while_it_waits_ends_then_and_frees_its_place(
+    embedded_engine, heldout_prompts
+):
+    """One row (max_num_seqs 1): a request waiting behind a running one whose time limit
+    passes ends TIME_LIMIT with no token at the next step, while the running one goes
+    on; the one queued after it is admitted when the row frees, first come first
+    served, and nothing is left on either side."""
+    import time
+
+    engine = SpeculativeEngine(
+        embedded_engine.drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        scheduler=SchedulerConfig(max_num_seqs=1, policy="fixed"),
+    )
+    long = _req(heldout_prompts[0], "long", temperature=0.0, max_tokens=120)
+    late = _req(heldout_prompts[1], "late", temperature=0.0, max_tokens=8)
+    late = replace(late, time_limit_s=0.005)  # over before the first step ends
+    after = _req(heldout_prompts[2], "after", temperature=0.0, max_tokens=8)
+    ended: dict[str, int] = {}
+    out = {r.request_id: [] for r in (long, late, after)}
+    for r in (long, late, after):
+        engine.add_request(r, out[r.request_id].append)
+    started = time.monotonic()
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        for rid, items in out.items():
+            last = items[-1] if items else None
+            done = isinstance(last, BaseException) or getattr(last, "result", None)
+            if done and rid not in ended:
+                ended[rid] = steps
+        assert steps < 500
+    took = time.monotonic() - started
+    late_result = _result(out["late"])
+    assert late_result.finish_reason == "TIME_LIMIT" and len(late_result.token_ids) == 0
+    assert ended["late"] < ended["long"] < ended["after"], (ended, took)
+    assert _result(out["long"]).finish_reason == "LENGTH"
+    assert _result(out["after"]).token_ids  # admitted once the row freed
+    assert engine.verifier.runner.num_sequences == 0
+    assert engine.drafter.runner.num_sequences == 0

@@ -212,3 +212,44 @@ def test_a_prefetch_taken_late_counts_its_round_trip_not_the_wait(draft_server):
         assert 0 < trip < 1.5  # the 2 s wait is not in it
     finally:
         drafter.close()
+
+
+def test_a_request_released_mid_prefill_does_not_hold_up_the_next(tiny_checkpoints):
+    """A long prompt's Open runs (the draft side prefills it chunk by chunk) when its
+    request is cancelled or runs out of time, and a short request takes its row. Its
+    Close must stop that prefill at once, not queue behind the Open on the session
+    lane: the short request's first propose (which every running row of the step waits
+    for) answers within a few chunks' time, not after the whole prefill, and the long
+    row is freed on the draft side."""
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
+    real_forward = runner.forward
+
+    def slow_forward(seq_ids, token_ids, **kw):  # 30 chunks of 8: about 3 s in all
+        if "long" in seq_ids:
+            time.sleep(0.1)
+        return real_forward(seq_ids, token_ids, **kw)
+
+    runner.forward = slow_forward
+    servicer = DraftServicer(LocalDrafter(runner), prefill_chunk_tokens=8)
+    sampling = SamplingParams(max_tokens=8, temperature=0.8)
+    with _serving(servicer) as address:
+        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+        try:
+            drafter.start("long", [1 + i % 300 for i in range(241)], sampling, 1)
+            deadline = time.monotonic() + 10
+            while runner.num_sequences == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.15)  # a chunk or two in
+            start = time.monotonic()
+            drafter.release("long")
+            drafter.start("short", [5, 6, 7], sampling, 2)
+            (block,) = drafter.propose([ProposeRow("short", 2)])
+            took = time.monotonic() - start
+            assert isinstance(block, DraftBlock), block
+            # the old lane: after the whole prefill, about 2.8 s; the draft service takes
+            # a new call between chunks, a few chunks' time
+            assert took < 2.0, took
+            assert set(servicer.sessions) == {"short"}
+            assert runner.num_sequences == 1
+        finally:
+            drafter.close()
