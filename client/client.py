@@ -109,15 +109,17 @@ def _str_field(name: str, value) -> str:
     return _utf8(name, value)
 
 
-def _utf8(name: str, value: str) -> str:
+def _utf8(name: str, value: str, item: int | None = None) -> str:
     """A str protobuf can send (UTF-8): a lone surrogate (undecodable bytes in argv
-    become them) is a ValueError naming the field, not protobuf's UnicodeEncodeError."""
+    become them) is a ValueError naming the field (and the item of a list), not
+    protobuf's UnicodeEncodeError."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
+        where = "" if item is None else f"; item {item}"
         raise ValueError(
-            f"{name}: must be valid Unicode text (UTF-8), got {value[err.start : err.end]!r} "
-            f"at character {err.start}"
+            f"{name}: must be valid Unicode text (UTF-8){where}: "
+            f"{value[err.start : err.end]!r} at character {err.start}"
         ) from None
     return value
 
@@ -392,9 +394,10 @@ class CactusClient(_Client):
         reads as its default.
 
         A value the message cannot hold (a wrong type, a negative count, an integer past
-        its field's width, a NaN or infinite float, a bytes prompt) is a ValueError that
-        starts with the field's name, raised before any call; the server checks the rest
-        (ranges, the context) and answers INVALID_ARGUMENT naming the field."""
+        its field's width, a NaN or infinite float, a bytes prompt, text that is not valid
+        UTF-8) is a ValueError that starts with the field's name, raised before any call;
+        the server checks the rest (ranges, the context) and answers INVALID_ARGUMENT
+        naming the field."""
         ids = None if isinstance(prompt, str) else _token_ids("prompt", prompt)
         counts = "an integer >= 1 (or None: the server's default)"
         ints = {
@@ -431,7 +434,7 @@ class CactusClient(_Client):
                         f"stop: must be a str or a sequence of str; item {i} is {one!r} "
                         f"({type(one).__name__})"
                     )
-                _utf8("stop", one)
+                _utf8("stop", one, item=i)
         if stop_token_ids is None:
             stop_ids = []
         elif _is_int(stop_token_ids):
@@ -502,10 +505,10 @@ class CactusClient(_Client):
     def stream(
         self, prompt, *, timeout: float | None = None, **kw
     ) -> Iterator[pb.GenerateResponse]:
-        """Iterate response chunks; the current call is kept on `last_call` (to cancel
-        it). Retried only until the first chunk arrives. Leaving the loop early (break,
-        an exception, closing the iterator) cancels the call, as the asyncio client's
-        does: the server stops the request within one engine step.
+        """Iterate response chunks; the stream is kept on `last_call` (a StreamCall across
+        its attempts, to cancel it). Retried only until the first chunk arrives. Leaving
+        the loop early (break, an exception, closing the iterator) cancels the call, as
+        the asyncio client's does: the server stops the request within one engine step.
 
         The request is checked here, so a bad value raises ValueError at this call; the
         call itself (and its deadline) starts at the first iteration."""

@@ -144,7 +144,7 @@ def test_make_stop_takes_the_ray_head_a_killed_server_started_with_it():
     started": the head's GCS and raylet (started by the server's ray.init, which ties
     them to it) are gone soon after, none left holding the node's ports and resources
     (the raylet's workers go with it; Ray's agent processes notice the raylet's end by
-    themselves, a minute or two later: neither asserted here)."""
+    themselves, about 70 s later here: neither asserted here)."""
     import psutil
 
     port = "59938"

@@ -7,7 +7,8 @@ draft (rollback) costs nothing, as in vLLM / SGLang. One model call runs over a 
 range of rows with ragged per-row token counts; rows in the range that have no tokens sit out
 (they are still computed). `forward` makes one such call for its rows, or several when its rows
 lie far apart (a prefill of the first and the last row), so that idle rows between them cost
-little: see `_groups`.
+little, and for a prompt chunk longer than any decode block, so that short chunks beside it
+are not padded to it: see `_groups`.
 
 Why not transformers' own caches: `DynamicCache.crop` removes the same count from every row of
 a batch (speculative decoding accepts a different count per row), and `StaticCache` keeps one

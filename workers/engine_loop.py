@@ -13,7 +13,7 @@ as a burst (8 calls from one client reach a Ray actor 2-10 ms apart) would other
 start one step apart, the first running a step ahead of the rest to the end, which
 costs the whole batch an extra step. So after each arrival it waits up to
 `batch_wait_ms` (SchedulerConfig, default 2 ms) for the next, for at most
-`_WAIT_ARRIVALS` waits in all, then steps (Ray Serve's `batch_wait_timeout_s` and
+`_WAIT_ARRIVALS` x `batch_wait_ms` in all, then steps (Ray Serve's `batch_wait_timeout_s` and
 Triton's queue delay do the same for their batches). A busy engine never waits: new
 requests join between two steps.
 """
@@ -30,7 +30,7 @@ from cactus.errors import EngineFailedError
 
 _END = object()
 log = logging.getLogger("cactus.engine")
-_WAIT_ARRIVALS = 5  # an idle engine's wait for a burst ends after this many batch waits
+_WAIT_ARRIVALS = 5  # an idle engine's wait for a burst lasts at most this many batch waits
 
 
 def _final_only(put: Callable) -> Callable:

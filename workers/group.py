@@ -437,9 +437,11 @@ class EngineGroup:
         queue). One that has started (its cancel flag registered first thing) stops by
         the flag at its next step; a stream that has sent a chunk has started, and is
         left to the flag alone (Ray's cancel of a running stream could drop chunks it
-        already made). During a gang restart there is no rank 0 for a moment (`ranks`
-        is empty): nothing to cancel then, the old ranks are being killed with their
-        requests, and a cancel (a drain's cut, a client's) must not raise."""
+        already made). A unary call cannot be told started from queued here: it gets
+        both, and one that finished in the very step of the cancel may end cancelled.
+        During a gang restart there is no rank 0 for a moment (`ranks` is empty):
+        nothing to cancel then, the old ranks are being killed with their requests, and
+        a cancel (a drain's cut, a client's) must not raise."""
         for call in list(self._calls.get(request_id, ())):
             if call[2]:
                 continue

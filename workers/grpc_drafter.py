@@ -17,7 +17,9 @@ blocking calls made on long-lived sender threads, not grpc's `.future()`: a
 go through one thread, in the order they were made: both sides hold the same number of
 rows, so the Open of a request that takes a finished one's row must not reach the
 draft side before that row's Close (it would be refused there, and the request would
-run without drafts).
+run without drafts). A request released while its Open still runs (a long prompt's
+draft prefill) also sends a Close at once on a sender thread, which stops that prefill;
+the lane's Close follows it in order.
 
 A row the policy drafts nothing for (k = 0) sends no ProposeBatch: its commits wait in
 `unsent`, and the draft side would free its session when the lease ran out. So every

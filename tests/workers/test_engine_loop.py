@@ -210,10 +210,10 @@ def test_a_busy_engine_never_waits_for_arrivals():
 
 def test_an_idle_engines_wait_ends_after_five_batch_waits_under_continuous_arrivals():
     """README: an idle engine that gets a request waits up to the batch wait for each
-    further arrival, 5 waits at most, before its first step. Requests arriving every
-    5 ms, far inside a 200 ms batch wait, would keep an uncapped wait going for as long
-    as they come (here up to 20 s); the first step comes after at most 5 x 200 ms, and
-    it holds the requests that came meanwhile."""
+    further arrival, 5 x the batch wait in all at most, before its first step. Requests
+    arriving every 5 ms, far inside a 200 ms batch wait, would keep an uncapped wait
+    going for as long as they come (here up to 20 s); the first step comes after at
+    most 5 x 200 ms, and it holds the requests that came meanwhile."""
     engine = _StepCounter(steps=1)
     loop = EngineLoop(engine, batch_wait_ms=200.0)
     outs = []

@@ -246,9 +246,9 @@ def test_a_request_released_mid_prefill_does_not_hold_up_the_next(tiny_checkpoin
             (block,) = drafter.propose([ProposeRow("short", 2)])
             took = time.monotonic() - start
             assert isinstance(block, DraftBlock), block
-            # the old lane: after the whole prefill, about 2.8 s; the draft service takes
-            # a new call between chunks, a few chunks' time
-            assert took < 2.0, took
+            # the old lane: after the whole prefill, about 2.9 s; now about 1 s (the draft
+            # service takes a new call between chunks, a few chunks' time)
+            assert took < 2.5, took
             assert set(servicer.sessions) == {"short"}
             assert runner.num_sequences == 1
         finally:
