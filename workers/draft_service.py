@@ -40,6 +40,11 @@ from workers.interfaces import ProposeRow
 from workers.local import DRAFT_PREFILL_CHUNK, LocalDrafter
 from workers.wire import KEY_METADATA, MAX_MESSAGE_BYTES, fill_block, status_code
 
+# An Open's pause between two prefill chunks, for the calls that arrived meanwhile: with
+# `sleep(0)` a Close or a running row's ProposeBatch took about 8 chunks to get through
+# (1.0 s against 0.06 s with this, tests/workers/test_grpc_drafter.py's slowed prefill).
+CHUNK_YIELD_S = 0.001
+
 # Reply bytes beyond its rows (draft_s), and per row beyond its own (tag and length).
 # A session's lease, whatever a caller asks: finite, so a session cannot be held for ever
 MIN_LEASE_S, MAX_LEASE_S = 1.0, 3600.0
@@ -127,7 +132,10 @@ class DraftServicer(pb_grpc.SpeculationServicer):
         closed, failed = False, None
         try:
             for _ in steps:  # a chunk per step
-                await asyncio.sleep(0)  # other calls (ProposeBatch) go on between chunks
+                # other calls (ProposeBatch, Close) go on between chunks: a bare
+                # sleep(0) moved a new gRPC call one step per chunk (about 8 chunks
+                # before it ran); a 1 ms sleep lets the gRPC core's events in
+                await asyncio.sleep(CHUNK_YIELD_S)
                 if self._opening.get(rid) is not token:  # Close or reset freed the row
                     steps.close()
                     closed = True
