@@ -101,6 +101,29 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_l
 RETRY_AFTER = "1"
 
 
+class Counted:
+    """One request counted as running (metrics.running) from now until `release()`,
+    which ends the count once however often it is called; `running()` is the context
+    manager `sse_events` holds while it streams, releasing on its way out."""
+
+    def __init__(self, metrics) -> None:
+        self._slot = metrics.running()
+        self._slot.__enter__()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._slot.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def running(self):
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
         super().__init__(message)
@@ -915,17 +938,8 @@ def build_routes(ingress, tokenize, logger):
                 f"{len(reqs)} {what} would put this replica past {bound} requests "
                 f"({ingress.metrics._running} running; {where}): retry, or send fewer at once",
             )
-        slots = [ingress.metrics.running() for _ in reqs]  # each choice is a running request
-        for slot in slots:
-            slot.__enter__()
-        held = [True] * len(reqs)
-
-        def release(i: int) -> None:
-            if held[i]:
-                held[i] = False
-                slots[i].__exit__(None, None, None)
-
-        return release
+        counts = [Counted(ingress.metrics) for _ in reqs]  # each choice is a running request
+        return lambda i: counts[i].release()
 
     async def batch(reqs: list, start: float, field: str) -> list:
         """Every choice's request at once (the engine batches them); one that fails
@@ -1167,21 +1181,8 @@ def build_routes(ingress, tokenize, logger):
                 return JSONResponse(shape.whole(req, result))
             # running from here, as over gRPC: a stream waiting for an engine row or a
             # restart is a running request (the gauge, and admit()'s bound, count it)
-            slot, held = ingress.metrics.running(), [True]
-            slot.__enter__()
-
-            def release() -> None:
-                if held[0]:
-                    held[0] = False
-                    slot.__exit__(None, None, None)
-
-            @contextlib.contextmanager
-            def running():  # counted since before the first chunk; ends with the stream
-                try:
-                    yield
-                finally:
-                    release()
-
+            count = Counted(ingress.metrics)
+            release, running = count.release, count.running
             try:
                 stream = ingress.engine.astream(req)
                 first = await anext(stream)  # a failure before the first token: a status

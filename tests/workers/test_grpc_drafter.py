@@ -214,45 +214,62 @@ def test_a_prefetch_taken_late_counts_its_round_trip_not_the_wait(draft_server):
         drafter.close()
 
 
-def test_a_request_released_mid_prefill_does_not_hold_up_the_next(tiny_checkpoints):
-    """A long prompt's Open runs (the draft side prefills it chunk by chunk) when its
-    request is cancelled or runs out of time, and a short request takes its row. Its
-    Close must stop that prefill at once, not queue behind the Open on the session
-    lane: the short request's first propose (which every running row of the step waits
-    for) answers within a few chunks' time, not after the whole prefill, and the long
-    row is freed on the draft side."""
+@contextlib.contextmanager
+def _slow_prefill_drafter(tiny_checkpoints):
+    """A draft server of two rows whose prefill of request "long" takes 0.1 s a chunk
+    of 8 (its 241-token prompt: 30 chunks, about 3 s), and a client of it; yields
+    (runner, servicer, drafter)."""
     runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
     real_forward = runner.forward
 
-    def slow_forward(seq_ids, token_ids, **kw):  # 30 chunks of 8: about 3 s in all
+    def slow_forward(seq_ids, token_ids, **kw):
         if "long" in seq_ids:
             time.sleep(0.1)
         return real_forward(seq_ids, token_ids, **kw)
 
     runner.forward = slow_forward
     servicer = DraftServicer(LocalDrafter(runner), prefill_chunk_tokens=8)
-    sampling = SamplingParams(max_tokens=8, temperature=0.8)
     with _serving(servicer) as address:
         drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
         try:
-            drafter.start("long", [1 + i % 300 for i in range(241)], sampling, 1)
-            deadline = time.monotonic() + 10
-            while runner.num_sequences == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.15)  # a chunk or two in
-            start = time.monotonic()
-            drafter.release("long")
-            drafter.start("short", [5, 6, 7], sampling, 2)
-            (block,) = drafter.propose([ProposeRow("short", 2)])
-            took = time.monotonic() - start
-            assert isinstance(block, DraftBlock), block
-            # the old lane: after the whole prefill, about 2.9 s; the Close behind a
-            # bare sleep(0) between chunks, about 1 s; now about 0.06 s
-            assert took < 0.6, took
-            assert set(servicer.sessions) == {"short"}
-            assert runner.num_sequences == 1
+            yield runner, servicer, drafter
         finally:
             drafter.close()
+
+
+LONG_PROMPT = [1 + i % 300 for i in range(241)]
+SAMPLING = SamplingParams(max_tokens=8, temperature=0.8)
+
+
+def _prefilling(runner, rows: int) -> None:
+    """Until the long prompt holds its row, then a chunk or two into its prefill."""
+    deadline = time.monotonic() + 10
+    while runner.num_sequences < rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.15)
+
+
+def test_a_request_released_mid_prefill_does_not_hold_up_the_next(tiny_checkpoints):
+    """A long prompt's Open runs (the draft side prefills it chunk by chunk) when its
+    request is cancelled or runs out of time, and a short request takes its row. Its
+    Close must stop that prefill at once, not queue behind the Open on the session
+    lane: the short request's first propose (which every running row of the step waits
+    for) answers within about a chunk's time, not after the whole prefill, and the long
+    row is freed on the draft side."""
+    with _slow_prefill_drafter(tiny_checkpoints) as (runner, servicer, drafter):
+        drafter.start("long", LONG_PROMPT, SAMPLING, 1)
+        _prefilling(runner, 1)
+        start = time.monotonic()
+        drafter.release("long")
+        drafter.start("short", [5, 6, 7], SAMPLING, 2)
+        (block,) = drafter.propose([ProposeRow("short", 2)])
+        took = time.monotonic() - start
+        assert isinstance(block, DraftBlock), block
+        # the old lane: after the whole prefill, about 2.9 s; the Close behind a bare
+        # sleep(0) between chunks, about 1 s; now about 0.06 s
+        assert took < 0.6, took
+        assert set(servicer.sessions) == {"short"}
+        assert runner.num_sequences == 1
 
 
 def test_a_running_rows_draft_is_served_within_a_chunk_of_a_long_prefill(tiny_checkpoints):
@@ -260,34 +277,16 @@ def test_a_running_rows_draft_is_served_within_a_chunk_of_a_long_prefill(tiny_ch
     rows' ProposeBatch calls between them. A running row's propose during another
     request's long draft prefill answers within about a chunk's time (it took about 8
     chunks when the prefill yielded with a bare sleep(0)), and its block is valid."""
-    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
-    real_forward = runner.forward
-
-    def slow_forward(seq_ids, token_ids, **kw):  # 30 chunks of 8: about 3 s in all
-        if "long" in seq_ids:
-            time.sleep(0.1)
-        return real_forward(seq_ids, token_ids, **kw)
-
-    runner.forward = slow_forward
-    servicer = DraftServicer(LocalDrafter(runner), prefill_chunk_tokens=8)
-    sampling = SamplingParams(max_tokens=8, temperature=0.8)
-    with _serving(servicer) as address:
-        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
-        try:
-            drafter.start("running", [5, 6, 7], sampling, 1)
-            (first,) = drafter.propose([ProposeRow("running", 2)])
-            assert isinstance(first, DraftBlock), first
-            drafter.commit("running", first.epoch, 1, 11)
-            drafter.start("long", [1 + i % 300 for i in range(241)], sampling, 2)
-            deadline = time.monotonic() + 10
-            while runner.num_sequences < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.15)  # a chunk or two in
-            start = time.monotonic()
-            (block,) = drafter.propose([ProposeRow("running", 2)])
-            took = time.monotonic() - start
-            assert isinstance(block, DraftBlock), block
-            assert took < 0.6, took  # with sleep(0) between chunks: about 0.8-1 s
-            assert "long" not in servicer.sessions  # still prefilling
-        finally:
-            drafter.close()
+    with _slow_prefill_drafter(tiny_checkpoints) as (runner, servicer, drafter):
+        drafter.start("running", [5, 6, 7], SAMPLING, 1)
+        (first,) = drafter.propose([ProposeRow("running", 2)])
+        assert isinstance(first, DraftBlock), first
+        drafter.commit("running", first.epoch, 1, 11)
+        drafter.start("long", LONG_PROMPT, SAMPLING, 2)
+        _prefilling(runner, 2)
+        start = time.monotonic()
+        (block,) = drafter.propose([ProposeRow("running", 2)])
+        took = time.monotonic() - start
+        assert isinstance(block, DraftBlock), block
+        assert took < 0.6, took  # with sleep(0) between chunks: about 0.8-1 s
+        assert "long" not in servicer.sessions  # still prefilling

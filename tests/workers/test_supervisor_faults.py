@@ -181,29 +181,42 @@ def test_a_cancel_between_attempts_ends_the_request_at_once():
     assert after.text == "ok" and after.stats.resumed == 0
 
 
+class _DraftNotReplaced(FlakyGroup):
+    """A group whose draft actor does not answer and whose every replacement fails;
+    `leaves_one`: each failed try leaves a draft that answers the probe (it started,
+    but rank 0 could not attach it)."""
+
+    def __init__(self, leaves_one: bool = False) -> None:
+        super().__init__(fail=0)
+        self.draft = SimpleNamespace(status=_Answer(fail=True))
+        self.replacements, self.leaves_one = 0, leaves_one
+
+    def replace_draft(self) -> None:
+        self.replacements += 1
+        if self.leaves_one:
+            self.draft = SimpleNamespace(status=_Answer())  # up, but never attached
+            raise RuntimeError("rank 0 did not attach the new draft actor")
+        raise RuntimeError("the draft model does not load")
+
+
+async def _given_up(sup: EngineSupervisor) -> None:
+    """Serve a request, then wait until the supervisor gives up on the draft actor."""
+    assert (await sup.agenerate(_req("r"))).text == "ok"
+    deadline = time.monotonic() + 30
+    while not sup.draft_given_up and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 def test_a_draft_actor_that_cannot_be_replaced_is_given_up_on():
     """Each replacement starts an actor process and loads the draft model: after
     restart_attempts failed tries the supervisor stops, requests decode plainly."""
 
-    class NoDraft(FlakyGroup):
-        def __init__(self) -> None:
-            super().__init__(fail=0)
-            self.draft = SimpleNamespace(status=_Answer(fail=True))
-            self.replacements = 0
-
-        def replace_draft(self) -> None:
-            self.replacements += 1
-            raise RuntimeError("the draft model does not load")
-
     async def run():
-        group = NoDraft()
+        group = _DraftNotReplaced()
         sup = EngineSupervisor(group, _config(restart_attempts=2))
-        assert (await sup.agenerate(_req("r"))).text == "ok"
         # 2 tries with 0.5 s and 1 s back-off (given up at ~1.6 s); the old code began
         # a new round at the next probe, every ~1.6 s
-        deadline = time.monotonic() + 30
-        while not sup.draft_given_up and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await _given_up(sup)
         await asyncio.sleep(2.5)  # more than a round: none starts
         result = await sup.agenerate(_req("after"))
         return group, sup, result
@@ -221,24 +234,10 @@ def test_a_draft_that_answers_after_the_give_up_does_not_make_the_server_serving
     rank 0 has no drafter, so the server ("") must stay NOT_SERVING (speculating False)
     over later probes."""
 
-    class AttachFails(FlakyGroup):
-        def __init__(self) -> None:
-            super().__init__(fail=0)
-            self.draft = SimpleNamespace(status=_Answer(fail=True))
-            self.replacements = 0
-
-        def replace_draft(self) -> None:
-            self.replacements += 1
-            self.draft = SimpleNamespace(status=_Answer())  # up, but never attached
-            raise RuntimeError("rank 0 did not attach the new draft actor")
-
     async def run():
-        group = AttachFails()
+        group = _DraftNotReplaced(leaves_one=True)
         sup = EngineSupervisor(group, _config(restart_attempts=2))
-        assert (await sup.agenerate(_req("r"))).text == "ok"
-        deadline = time.monotonic() + 30
-        while not sup.draft_given_up and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await _given_up(sup)
         seen = []
         for _ in range(12):  # several probe periods after the give-up
             seen.append(sup.speculating())
