@@ -143,8 +143,7 @@ class LimitsConfig(_Model):
     )
     max_health_watches: Int = doc(
         "open grpc.health.v1 Watch calls per replica (Watch needs no token and holds one of "
-        "the max_ongoing_requests slots while open; at most max_ongoing_requests - 1, so one "
-        "slot stays for requests); beyond: RESOURCE_EXHAUSTED",
+        "the max_ongoing_requests slots while open); beyond: RESOURCE_EXHAUSTED",
         4,
     )
     max_message_bytes: Int = doc(

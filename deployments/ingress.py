@@ -492,20 +492,13 @@ class CactusIngress:
         gets SERVICE_UNKNOWN and the call stays open, as the health protocol says. When
         the server shuts down, the call says NOT_SERVING and ends (an open Watch would
         otherwise hold the replica's drain for its whole time)."""
-        limits = self.config.limits
-        # Watch needs no token (probes send none) and holds a request slot while open:
-        # unbounded, anyone who reaches the port could take every slot. One slot always
-        # stays for requests, whatever max_health_watches says.
-        cap = min(limits.max_health_watches, limits.max_ongoing_requests - 1)
+        cap = self.config.limits.max_health_watches
         if self.engine.watches >= cap:
+            # Watch needs no token (probes send none) and holds a request slot while
+            # open: unbounded, anyone who reaches the port could take every slot
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
             details = (
-                f"{cap} health Watch calls are open on this replica (limits.max_health_watches, "
-                "and at most limits.max_ongoing_requests - 1: one request slot stays free)"
-                if cap > 0
-                else "health Watch is off on this replica (limits.max_health_watches is 0, or "
-                "limits.max_ongoing_requests is 1, whose one slot is kept for requests): "
-                "use Check"
+                f"{cap} health Watch calls are open on this replica (limits.max_health_watches)"
             )
             if grpc_context is not None:
                 grpc_context.set_code(code)

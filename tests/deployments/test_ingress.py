@@ -306,28 +306,6 @@ def test_open_health_watches_are_capped_per_replica(ray_session):
     assert asyncio.run(run()) == 0
 
 
-def test_open_health_watches_always_leave_a_request_slot(ray_session):
-    """max_health_watches above max_ongoing_requests (the default 4 watches with 2
-    slots) must not let Watch calls hold every slot: at most max_ongoing_requests - 1
-    are open, and a request still has a slot."""
-    shim = _shim(FakeEngine(), limits={"max_ongoing_requests": 2, "max_health_watches": 4})
-    status = health_pb2.HealthCheckResponse
-
-    async def run():
-        request = health_pb2.HealthCheckRequest(service="")
-        held = shim.Watch(request, Ctx())
-        assert (await anext(held)).status == status.SERVING
-        ctx = Ctx()
-        with pytest.raises(RequestError):
-            await anext(shim.Watch(request, ctx))
-        assert ctx.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "limits.max_ongoing_requests - 1" in ctx.details
-        await held.aclose()
-        return shim.engine.watches
-
-    assert asyncio.run(run()) == 0
-
-
 def test_a_replaced_draft_actor_leaves_the_server_not_serving_and_the_service_serving(
     ray_session,
 ):
