@@ -103,7 +103,9 @@ serve: setup
 # may have been reused) is removed and nothing is signalled.
 STOP_TIMEOUT ?=
 stop:
-	@pid=$(CACHE)/serve-$(GRPC_PORT).pid; p=$$(cat $$pid 2>/dev/null); \
+	@case "$(STOP_TIMEOUT)" in *[!0-9]*) \
+	  echo "STOP_TIMEOUT must be a whole number of seconds, got '$(STOP_TIMEOUT)'" >&2; exit 2;; esac; \
+	pid=$(CACHE)/serve-$(GRPC_PORT).pid; p=$$(cat $$pid 2>/dev/null); \
 	if [ -n "$$p" ] && kill -0 $$p 2>/dev/null; then \
 	  args=$$(tr '\0' ' ' < /proc/$$p/cmdline 2>/dev/null || ps -ww -o args= -p $$p 2>/dev/null); \
 	  if [ -n "$$args" ] && ! echo "$$args" | grep -q 'deployments[.]serve'; then \
@@ -118,9 +120,11 @@ stop:
 	  echo "stopped the server on port $(GRPC_PORT)"; \
 	else rm -f $$pid; echo "no server running on port $(GRPC_PORT)"; fi
 
+# The prompt reaches the command as written (quotes, $ and backticks included): make's
+# $(value) leaves it unexpanded, and it is single-quoted for the shell.
 PROMPT ?= def fibonacci(n):
 generate: setup
-	$(PY) -m client.cli generate --prompt "$(PROMPT)" --stream
+	$(PY) -m client.cli generate --prompt '$(subst ','\'',$(value PROMPT))' --stream
 
 # Retrain the embedded draft/verifier pair (about an hour on 2 cores; progress printed).
 models: setup

@@ -45,7 +45,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--verifier", default=str(DEFAULT_VERIFIER))
     p.add_argument("--draft", default=str(DEFAULT_DRAFT))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0 = default)")
     p.add_argument(
         "--backend",
         choices=["local", "ray"],
@@ -239,6 +239,15 @@ def generate(args) -> int:
     from cactus.errors import CactusError, InvalidRequestError
     from workers.local import local_engine
 
+    if args.threads < 0:
+        print(f"error: --threads: must be >= 0 (0 = default), got {args.threads}", file=sys.stderr)
+        return 2
+    if args.tp < 1 or (args.tp != 1 and args.backend != "ray"):
+        print(
+            f"error: --tp: must be >= 1, and above 1 only with --backend ray, got {args.tp}",
+            file=sys.stderr,
+        )
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     for name in ("verifier", "draft"):
@@ -290,7 +299,13 @@ def _run_ray(args, request):
     group = None
     try:
         group = EngineGroup(
-            GroupConfig(args.verifier, args.draft, tp_size=args.tp, dtype=args.dtype)
+            GroupConfig(
+                args.verifier,
+                args.draft,
+                tp_size=args.tp,
+                dtype=args.dtype,
+                **({"threads": args.threads} if args.threads else {}),
+            )
         ).start()
         if not request.request_id:
             from dataclasses import replace

@@ -21,6 +21,7 @@ from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, Validati
 from cactus.params import MAX_DRAFT_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's message size options are C ints
 RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
 POLICIES = ("fixed", "goodput")  # workers/policy.py
 README = REPO / "README.md"
@@ -111,7 +112,9 @@ class SpeculationConfig(_Model):
 class SamplingConfig(_Model):
     default_temperature: Float = doc("temperature when a request sets none", 1.0)
     default_max_tokens: Int = doc(
-        "max_tokens when a request sets none (shrunk to the context the prompt leaves)", 64
+        "max_tokens when a request sets none (shrunk to what the prompt leaves of the context "
+        "and of kv_budget_tokens)",
+        64,
     )
 
 
@@ -273,12 +276,38 @@ class ServeConfig(_Model):
 # ---- loading and validation -------------------------------------------------------------
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error: PyYAML
+    keeps the last one, so a second `limits:` block silently replaced the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                repeated = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if repeated:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | os.PathLike, overrides: dict | None = None) -> ServeConfig:
     with open(path, encoding="utf-8") as fh:
         try:
-            raw = yaml.safe_load(fh) or {}
+            raw = yaml.load(fh, Loader=_UniqueKeyLoader)  # a SafeLoader
         except yaml.YAMLError as err:  # a malformed file: where, not a traceback
             raise ConfigError(f"<file> {path}: not valid YAML: {err}") from None
+    if raw is None:  # an empty file: every default
+        raw = {}
+    if not isinstance(raw, dict):  # before the overrides are merged into it
+        raise ConfigError(f"<root>: expected a mapping, got {type(raw).__name__}")
     if overrides:
         raw = _merge(raw, overrides)
     return from_dict(raw)
@@ -403,7 +432,11 @@ def validate(c: ServeConfig) -> None:
         "limits.max_queued_requests",
         "must be >= 1 (the queue is always bounded: beyond it RESOURCE_EXHAUSTED)",
     )
-    _check(lim.max_message_bytes >= 1024, "limits.max_message_bytes", "must be >= 1024")
+    _check(
+        1024 <= lim.max_message_bytes <= GRPC_MAX_MESSAGE_BYTES,
+        "limits.max_message_bytes",
+        f"must lie in [1024, {GRPC_MAX_MESSAGE_BYTES}] (gRPC's limit is a C int)",
+    )
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1")
     _check(lim.max_health_watches >= 0, "limits.max_health_watches", "must be >= 0")
     _check(lim.request_timeout_s >= 0, "limits.request_timeout_s", "must be >= 0 (0 = no limit)")
@@ -439,6 +472,17 @@ def validate(c: ServeConfig) -> None:
         _check(getattr(a, name) >= 0, f"autoscaling.{name}", "must be >= 0")
     for name in ("metrics_interval_s", "look_back_period_s"):
         _check(getattr(a, name) > 0, f"autoscaling.{name}", "must be > 0")
+    _check(
+        a.look_back_period_s > a.metrics_interval_s,
+        "autoscaling.look_back_period_s",
+        f"must be above autoscaling.metrics_interval_s ({a.metrics_interval_s:g}): the "
+        "window must hold more than one report (Ray Serve warns, and will refuse it)",
+    )
+    _check(
+        bool(c.app_name) and c.app_name.strip() == c.app_name,
+        "app_name",
+        f"must be a non-empty name without surrounding spaces, got {c.app_name!r}",
+    )
     _check(0 < c.grpc_port < 65536, "grpc_port", f"must be a TCP port, got {c.grpc_port}")
     _check(0 < c.http_port < 65536, "http_port", f"must be a TCP port, got {c.http_port}")
     _check(c.http_port != c.grpc_port, "http_port", "must differ from grpc_port")

@@ -124,15 +124,22 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
 
 
 def tokenize(
-    request: GenerationRequest, tokenizer, limits: Limits, *, fit_max_tokens: bool = False
+    request: GenerationRequest,
+    tokenizer,
+    limits: Limits,
+    *,
+    fit_max_tokens: bool = False,
+    row_tokens: int | None = None,
 ) -> GenerationRequest:
     """Validate, tokenize a text prompt, validate the lengths; returns an ids request.
     fit_max_tokens: max_tokens is the server's default, not the client's, so it shrinks
-    to the context the prompt leaves (as vLLM's default does) instead of failing."""
-    if fit_max_tokens and request.sampling.max_tokens > limits.max_context:
-        request = replace(
-            request, sampling=replace(request.sampling, max_tokens=limits.max_context)
-        )
+    to the context the prompt leaves (as vLLM's default does) instead of failing.
+    row_tokens: the most tokens one engine row holds (batching.kv_budget_tokens, when
+    below the context): the default shrinks to what the prompt leaves of that too, so a
+    request that sets no max_tokens is never refused for a field it did not send."""
+    most = limits.max_context if row_tokens is None else min(limits.max_context, row_tokens)
+    if fit_max_tokens and request.sampling.max_tokens > most:
+        request = replace(request, sampling=replace(request.sampling, max_tokens=most))
     validate_request(request, limits)
     if request.prompt_token_ids:
         ids = request.prompt_token_ids
@@ -146,7 +153,7 @@ def tokenize(
                 f"{len(ids)} tokens leave no room in max context {limits.max_context}",
             )
         request = replace(request, prompt=None, prompt_token_ids=tuple(ids))
-    room = limits.max_context - len(ids)
+    room = most - len(ids)
     if fit_max_tokens and 1 <= room < request.sampling.max_tokens:
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
     validate_request(request, limits, prompt_len=len(ids))
@@ -334,6 +341,7 @@ class CactusIngress:
                 self.tokenizer,
                 self.limits,
                 fit_max_tokens=not msg.sampling.HasField("max_tokens"),
+                row_tokens=self.config.batching.kv_budget_tokens,
             )
         except InvalidRequestError as err:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
@@ -482,8 +490,7 @@ class CactusIngress:
         return health_pb2.HealthListResponse(
             statuses={
                 name: health_pb2.HealthCheckResponse(status=await self._status(name))
-                for name in self.SERVICES
-                if name
+                for name in self.SERVICES  # "" too, as grpcio-health-checking lists it
             }
         )
 
@@ -526,6 +533,9 @@ class CactusIngress:
         the replica (the supervisor is on it); one the supervisor gave up on is."""
         alive = getattr(self.engine, "alive", None)
         if alive is not None:
+            # the supervisor's monitor (it probes the actors) starts on this loop: a
+            # replica that no request or probe reached yet notices a dead rank too
+            await self.engine.ahealthy()
             stats = self.engine.stats()
             self.metrics.engine(stats, self._engine_seen)  # also set on every change
             if not alive():

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from ray.serve import metrics
 
 from cactus.errors import InvalidRequestError, ServerShuttingDownError, unwrap
+from workers.engine_loop import EngineLoopStopped
 
 LAST_TOKEN_ENTRIES = 4096  # far more than a replica's running requests
 # up to an hour: a request may run as long as limits.request_timeout_s (600 s in
@@ -27,12 +28,16 @@ def failure_reason(err: BaseException) -> str | None:
     replica past its drain cut), so it was never an accepted request and is not counted
     (nor cancelled by its id, which another request may hold). CANCELLED: a drain's cut
     stopped it; the engine stopped it by a cancel and counts its work among the
-    cancelled (`cactus_cancelled_*`), as for a client that went away. ERROR otherwise."""
+    cancelled (`cactus_cancelled_*`), as for a client that went away; a replica torn
+    down with requests running (its engine loop stopped) is counted so too. ERROR
+    otherwise."""
     err = unwrap(err)
     if isinstance(err, InvalidRequestError):
         return None
     if isinstance(err, ServerShuttingDownError):
         return None if err.refused else "CANCELLED"
+    if isinstance(err, EngineLoopStopped):  # the replica torn down under it: as a cut
+        return "CANCELLED"
     return "ERROR"
 
 

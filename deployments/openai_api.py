@@ -23,11 +23,14 @@ FastAPI ingress), so the routes share the replica's engine, tokenizer and limits
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import logging
+import re
 import secrets
 import time
+import weakref
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
@@ -91,6 +94,25 @@ _COMMON = {
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+}
+# OpenAI fields for what this server does not do (tools, structured output, stored
+# completions), accepted with the value that means the same as leaving them out (vLLM
+# accepts them; clients and frameworks send them by default): any other value is a 400.
+_OFF_VALUES = {
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "response_format": lambda v: v == {"type": "text"},
+    "store": lambda v: v is False,
+    "metadata": lambda v: isinstance(v, dict),
+}
+_OFF_MEANING = {
+    "tools": "[] (this server runs no tools)",
+    "tool_choice": '"none" or "auto" (this server runs no tools)',
+    "parallel_tool_calls": "a boolean (this server runs no tools)",
+    "response_format": '{"type": "text"} (structured output is not supported)',
+    "store": "false (completions are not stored)",
+    "metadata": "an object (kept nowhere: completions are not stored)",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -235,6 +257,10 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     for name, value in body.items():
         # null is "unset" whatever the name (clients send `"tools": null` and the like)
         if name not in allowed and value is not None:
+            if name in _OFF_VALUES:
+                if _OFF_VALUES[name](value):
+                    continue
+                raise InvalidRequestError(name, f"only {_OFF_MEANING[name]} is supported")
             raise InvalidRequestError(name, "unknown field")
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_CHOICES:
@@ -305,6 +331,71 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             "top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {top!r}"
         )
     return (top or 0) if wanted else None
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's, used by the ByteLevel pre-tokenizer of
+    Qwen, Llama 3 and the embedded pair): printable bytes stand for themselves, the
+    other 68 for characters from U+0100 up, in byte order. Inverted: char -> byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in chars.values()]
+    chars.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
+
+
+class TokenText:
+    """A token's own bytes, and its text for logprobs. Decoding one token alone gives
+    U+FFFD for a token that holds part of a UTF-8 character (byte-level BPE splits
+    accented letters, CJK and emoji), so logprobs' `bytes` could not rebuild the
+    character, as OpenAI's field is for; the bytes come from the token's vocabulary
+    entry instead (byte-level and byte-fallback tokenizers), else from its decoding.
+    Such a token's text is OpenAI's "bytes:\\xNN" form."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        got = self._bytes.get(token_id)
+        if got is None:
+            got = self._bytes[token_id] = self._raw(token_id)
+        return got
+
+    def _raw(self, token_id: int) -> bytes:
+        if token_id not in self.special:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str):
+                if self.byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
+                    return bytes(_BYTE_LEVEL[c] for c in piece)
+                if match := _BYTE_FALLBACK.fullmatch(piece):
+                    return bytes([int(match.group(1), 16)])
+        return self.tokenizer.decode([token_id]).encode("utf-8")
+
+    def text(self, token_id: int) -> str:
+        raw = self.bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_text(tokenizer) -> TokenText:
+    """One TokenText (and its cache) per tokenizer."""
+    found = _TOKEN_TEXTS.get(tokenizer)
+    if found is None:
+        found = _TOKEN_TEXTS[tokenizer] = TokenText(tokenizer)
+    return found
 
 
 def _by_text(top, decode) -> dict[str, float]:
@@ -426,7 +517,22 @@ def chat_prompt_ids(body: dict, tokenizer, max_chars: int | None = None) -> list
             raise InvalidRequestError(
                 "messages", f"their contents total more than {max_chars} characters"
             )
-        plain.append({"role": m["role"], "content": text})
+        for key, value in m.items():
+            if key in ("role", "content") or value is None:
+                continue
+            if key == "tool_calls" and value != []:
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_calls", "tool calls are not supported (no tools run here)"
+                )
+            if key in ("name", "tool_call_id") and not isinstance(value, str):
+                raise InvalidRequestError(f"messages[{i}].{key}", "must be a string")
+            if key not in ("name", "tool_call_id", "tool_calls", "refusal"):
+                raise InvalidRequestError(f"messages[{i}].{key}", "unknown field")
+        # name and tool_call_id reach the template (those that use them render them)
+        plain.append(
+            {"role": m["role"], "content": text}
+            | {k: m[k] for k in ("name", "tool_call_id") if m.get(k) is not None}
+        )
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "messages",
@@ -543,8 +649,10 @@ class Shape:
     def __init__(self, chat: bool, model: str, request_id: str, tokenizer=None) -> None:
         self.chat, self.model, self.id = chat, model, request_id
         self.tokenizer = tokenizer
-        # completions' text_offset runs over a choice's whole completion, per choice index
+        # completions' text_offset runs over a choice's whole completion, per choice
+        # index: characters so far, and the UTF-8 decoder holding a split character
         self.text_offsets: dict[int, int] = {}
+        self._decoders: dict[int, codecs.IncrementalDecoder] = {}
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -562,38 +670,43 @@ class Shape:
         completions {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
         if entries is None:
             return None
-        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        words = token_text(self.tokenizer)
         if self.chat:
             return {
                 "content": [
                     {
-                        "token": decode(e.token_id),
+                        "token": words.text(e.token_id),
                         "logprob": e.logprob,
-                        "bytes": list(decode(e.token_id).encode()),
+                        "bytes": list(words.bytes(e.token_id)),
                         "top_logprobs": [
-                            {"token": decode(t), "logprob": v, "bytes": list(decode(t).encode())}
+                            {"token": words.text(t), "logprob": v, "bytes": list(words.bytes(t))}
                             for t, v in e.top
                         ],
                     }
                     for e in entries
                 ]
             }
-        tokens = [decode(e.token_id) for e in entries]
+        # a token's offset: the characters of the completion's text before it (a token
+        # that ends a split character moves it on by that character, as the text does)
+        decoder = self._decoders.setdefault(
+            index, codecs.getincrementaldecoder("utf-8")(errors="replace")
+        )
         offsets, at = [], self.text_offsets.get(index, 0)
-        for token in tokens:
+        for e in entries:
             offsets.append(at)
-            at += len(token)
+            at += len(decoder.decode(words.bytes(e.token_id)))
         self.text_offsets[index] = at
         return {
-            "tokens": tokens,
+            "tokens": [words.text(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [_by_text(e.top, decode) for e in entries],
+            "top_logprobs": [_by_text(e.top, words.text) for e in entries],
             "text_offset": offsets,
         }
 
     def choice(self, result, index: int = 0) -> dict:
         finish = FINISH.get(result.finish_reason, "stop")
         self.text_offsets[index] = 0
+        self._decoders.pop(index, None)
         logprobs = self.logprobs(result.logprobs, index)
         if self.chat:
             return {
@@ -833,9 +946,46 @@ async def read_json(http: Request, limit: int):
             raise too_large(f"more than {limit}")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, RecursionError):  # RecursionError: nested too deep
+        body = json.loads(b"".join(chunks))
+    except RecursionError:  # nested too deep
+        raise InvalidRequestError("body", "must be a JSON object (nested too deep)") from None
+    except ValueError as err:
+        if "integer string conversion" in str(err):  # Python's 4,300-digit limit
+            raise InvalidRequestError("body", "holds an integer with too many digits") from None
         raise InvalidRequestError("body", "must be a JSON object") from None
+    _check_unicode(body)
+    return body
+
+
+def _check_unicode(body) -> None:
+    """JSON's \\uD800 escapes decode to lone surrogates, which no tokenizer takes and no
+    UTF-8 response can carry back (a key with one broke the error reply itself): every
+    string and key must be valid Unicode, else a 400 naming where."""
+    stack = [("body", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                raise InvalidRequestError(path, "is not valid Unicode text (a lone surrogate)")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_unicode(key):
+                    raise InvalidRequestError(path, "has a key that is not valid Unicode text")
+                stack.append((key if path == "body" else f"{path}.{key}", item))
+        elif isinstance(value, list):
+            stack.extend(
+                (f"{path}[{i}]", item)
+                for i, item in enumerate(value)
+                if isinstance(item, (str, dict, list))  # not each token id of a prompt
+            )
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def stream_error(error: OpenAIError) -> dict:
@@ -1131,6 +1281,8 @@ def build_routes(ingress, tokenize, logger):
                 return as_sent(err, body, chat)
 
             model = body.get("model")
+            if model is not None and not isinstance(model, str):
+                raise InvalidRequestError("model", "must be a string")
             if model is not None and model not in ingress.model_names:
                 raise unknown_model(model)
             field = "max_completion_tokens" if chat else "max_tokens"
@@ -1148,6 +1300,7 @@ def build_routes(ingress, tokenize, logger):
                         ingress.tokenizer,
                         ingress.limits,
                         fit_max_tokens=unset,
+                        row_tokens=ingress.config.batching.kv_budget_tokens,
                     )
                     for prompt in prompts
                 ]

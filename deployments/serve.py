@@ -81,11 +81,13 @@ def wait_running(
 
 
 def _missing_model_folders(config) -> list[str]:
-    """models.verifier / models.draft that are not folders on this machine."""
+    """models.verifier / models.draft that are not folders on this machine, resolved as
+    the replicas resolve them (a relative path against the repository, not the shell's
+    current directory: ServeConfig.model_path)."""
     return [
         f"models.{name}: no such folder: {folder}"
-        for name, folder in (("verifier", config.models.verifier), ("draft", config.models.draft))
-        if not Path(folder).is_dir()
+        for name in ("verifier", "draft")
+        if not Path(folder := config.model_path(name)).is_dir()
     ]
 
 
@@ -159,9 +161,9 @@ def main(argv=None) -> int:
 
     try:
         overrides = {}
-        if args.port:
+        if args.port is not None:  # 0 too: the schema refuses it, naming grpc_port
             overrides["grpc_port"] = args.port
-        if args.http_port:
+        if args.http_port is not None:
             overrides["http_port"] = args.http_port
         config = load_config(args.config, overrides or None)
         environment.grpc_message_size(config.limits.max_message_bytes)
@@ -184,6 +186,16 @@ def main(argv=None) -> int:
             log_to_driver=False,
             configure_logging=False,
         )
+    except ConnectionError as err:
+        # RAY_ADDRESS (or "auto") names a cluster that does not answer
+        joined = os.environ.get("RAY_ADDRESS") or "the one `ray start` recorded"
+        print(
+            f"config error: no Ray cluster answers at {joined} ({err}); start it with "
+            "`ray start`, fix RAY_ADDRESS, or run with RAY_ADDRESS=local to start a head "
+            "of its own",
+            file=sys.stderr,
+        )
+        return 2
     except ValueError as err:
         # Ray refuses num_cpus when it joins a cluster rather than start a head
         if args.num_cpus is None or "num_cpus" not in str(err):

@@ -37,11 +37,13 @@ def binary_kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def cactus_boost(q_n: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """Paper's h_n = min(1, q_n + sqrt(2 delta q_n (1 - q_n))). [B, K] -> [B, K] float64.
 
-    delta = 0 returns q_n exactly (bit for bit); q_n in {0, 1} returns q_n.
+    delta = 0 returns q_n exactly (bit for bit); q_n in {0, 1} returns q_n. A q_n a
+    rounding above 1 (a row normalised in float32) counts as 1: the root of a negative
+    1 - q_n was NaN, which the kernel then took for a rejection.
     """
     q = q_n.to(torch.float64)
     d = delta.to(torch.float64)
-    return torch.clamp(q + torch.sqrt(2.0 * d * q * (1.0 - q)), max=1.0)
+    return torch.clamp(q + torch.sqrt(2.0 * d * q * torch.clamp(1.0 - q, min=0.0)), max=1.0)
 
 
 def cactus_exact_boost(q_n: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ def ragged_accept(
     target_probs: torch.Tensor,  # [sum (K_i + 1), V]: row i's K_i positions, then its bonus
     metadata: RaggedMetadata,
     *,
-    validate: bool = False,  # the value scans (finite probabilities, ids, uniforms, budget)
+    validate: bool = True,  # the value scans (finite probabilities, ids, uniforms, budget);
+    # the engine, which checks its own rows' finiteness, turns them off
 ) -> AcceptResult:  # output_token_ids [B, max K_i + 1] (-1 padded), num_accepted, divergence
     """Verify every row of a ragged batch under its own rule; results in row order.
 

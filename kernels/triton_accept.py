@@ -100,7 +100,7 @@ def boost(q, d, RULE: tl.constexpr, STEPS: tl.constexpr):
     """h_n (float64) for rule codes 0 (sps), 1 (cactus), 2 (cactus_exact)."""
     h = q
     if RULE == 1:
-        h = tl.minimum(q + tl.sqrt(2.0 * d * q * (1.0 - q)), 1.0)
+        h = tl.minimum(q + tl.sqrt(2.0 * d * q * tl.maximum(1.0 - q, 0.0)), 1.0)
     if RULE == 2:
         lo = q
         hi = q * 0.0 + 1.0

@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -261,6 +263,30 @@ def test_make_stops_wait_is_bounded_by_the_configs_drain_time(tmp_path):
     assert default_bound(cfg) == "65"
     assert default_bound(REPO / "configs" / "default.yaml") == "90"  # drain 30 s
     assert "bound=7;" in _dry_run("stop", f"CONFIG={cfg}", "STOP_TIMEOUT=7")
+
+
+@pytest.mark.parametrize("timeout", ["1.5", "abc", "-3"])
+def test_make_stop_refuses_a_stop_timeout_that_is_not_whole_seconds(timeout):
+    """A STOP_TIMEOUT the shell's -ge cannot compare failed that test every second, so
+    the SIGKILL bound never came and make stop could wait for ever: it is refused (exit
+    2, named) before anything is signalled."""
+    out = _make_stop("59936", f"STOP_TIMEOUT={timeout}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"STOP_TIMEOUT must be a whole number of seconds, got '{timeout}'" in out.stderr
+    assert "no server running" not in out.stdout
+
+
+def test_make_generate_passes_the_prompt_as_written():
+    """`make generate PROMPT=...` with quotes, $ and backticks (code prompts have them):
+    the client gets the prompt unchanged (make expanded $x, the shell split on quotes and
+    ran backticks)."""
+    import shlex
+
+    prompt = 'print("hi") $x `date` it\'s'
+    recipe = _dry_run("generate", f"PROMPT={prompt}")
+    line = next(ln for ln in recipe.splitlines() if "client.cli generate" in ln)
+    argv = shlex.split(line)
+    assert argv[argv.index("--prompt") + 1] == prompt, line
 
 
 def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path):

@@ -331,13 +331,20 @@ class VerifierRank:
                         del self._cancel_flags[request_id]
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:  # noqa: F821
-        """Verifier logits [n, V] for a token sequence, through the sharded model."""
-        seq = f"logits-{time.monotonic_ns()}"
-        self.mirror.start(seq, len(token_ids))
-        try:
-            return self.mirror.forward([seq], [token_ids])[0]
-        finally:
-            self.mirror.release(seq)
+        """Verifier logits [n, V] for a token sequence, through the sharded model. On the
+        engine loop's thread, between two steps, once the engine runs: it takes a row of
+        the runner, which the loop's admission must not race for (CapacityError when
+        every row is in use)."""
+
+        def run(_engine=None):
+            seq = f"logits-{time.monotonic_ns()}"
+            self.mirror.start(seq, len(token_ids))
+            try:
+                return self.mirror.forward([seq], [token_ids])[0]
+            finally:
+                self.mirror.release(seq)
+
+        return run() if self.loop is None else self.loop.call(run)
 
     @ray.method(concurrency_group=CONTROL)
     def timings(self) -> dict:

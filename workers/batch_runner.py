@@ -251,9 +251,10 @@ class BatchRunner(LoadedModel):
         reserve)."""
         return self._plan_with(self._check_reserve(reserve_tokens)) is not None
 
-    @torch.inference_mode()
-    def start(self, seq_id: str, reserve_tokens: int | None = None) -> None:
-        """Give a sequence an empty row able to hold `reserve_tokens` (None: max_context)."""
+    def check_start(self, seq_id: str, reserve_tokens: int | None = None):
+        """What start(seq_id, reserve_tokens) would refuse, refused (ValueError for a bad
+        reserve, CapacityError when it does not fit), changing nothing; else its
+        (reserve, plan). Rank 0 of a TP group asks it before the followers are told."""
         reserve = self._check_reserve(reserve_tokens)
         plan = self._plan_with(reserve, replacing=seq_id)
         if plan is None:
@@ -261,6 +262,12 @@ class BatchRunner(LoadedModel):
                 f"cannot admit {seq_id!r} ({reserve} tokens): {self.num_sequences} rows of "
                 f"{self.max_num_seqs} in use, KV budget {self.kv_budget_tokens} tokens"
             )
+        return reserve, plan
+
+    @torch.inference_mode()
+    def start(self, seq_id: str, reserve_tokens: int | None = None) -> None:
+        """Give a sequence an empty row able to hold `reserve_tokens` (None: max_context)."""
+        reserve, plan = self.check_start(seq_id, reserve_tokens)
         self.release(seq_id)
         cache = self._cache
         if plan[0] > cache.rows_allocated or reserve > cache.t_capacity:
@@ -381,7 +388,8 @@ class BatchRunner(LoadedModel):
         (LONG_CHUNK_TOKENS) a piece of its own (short chunks beside it would be padded to
         it); a piece joins the call before it while that call computes at most twice the
         tokens its pieces would alone, or at most MERGE_SLACK_TOKENS more (one call per
-        decode or drafting step however its rows lie)."""
+        decode or drafting step when its rows lie together; decode rows far apart among
+        prefilling rows, say rows 0 and 31 at K + 1 = 9, take two)."""
         active = sorted((row, len(token_ids[i]), i) for i, row in enumerate(rows) if token_ids[i])
 
         def dense(members) -> int:  # tokens a call over these rows' range computes

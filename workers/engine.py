@@ -54,6 +54,8 @@ from workers.request import (
 )
 from workers.scheduler import Scheduler, SchedulerConfig
 
+# A drafter's usual failures (logged without a traceback). Any error a drafter raises
+# costs the request its drafts only (it goes on by plain decoding), never the batch.
 DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
 NON_FINITE = (
     "the verifier's logits for this request were not finite (NaN or inf): the model "
@@ -413,7 +415,7 @@ class SpeculativeEngine:
             return ks, blocks
         try:
             out = self.drafter.propose(rows)
-        except DRAFTER_FAILURES as err:
+        except Exception as err:  # any drafter error costs the drafts, not the requests
             out = [err] * len(rows)
         by_id = {s.id: s for s in running}
         for row, block in zip(rows, out, strict=True):
@@ -480,7 +482,10 @@ class SpeculativeEngine:
                 [s.generator for s in running], [k + 1 for k in ks], device=device
             ),
         )
-        return ragged_accept(draft_ids, draft_probs, target, metadata), target, finite
+        # no value scans: the rows' finiteness is checked above (verifier) and by the
+        # drafters (in-process and on the wire), a row at a time
+        accepted = ragged_accept(draft_ids, draft_probs, target, metadata, validate=False)
+        return accepted, target, finite
 
     def _commit(self, state, k: int, block, accepted: int, token: int) -> None:
         cap = state.draft_max_context
@@ -493,7 +498,7 @@ class SpeculativeEngine:
             epoch = block.epoch if k else state.committed
             try:
                 self.drafter.commit(state.id, epoch, accepted if k else 0, token)
-            except DRAFTER_FAILURES as err:
+            except Exception as err:
                 self._drafter_failed(state, err)
         self.verifier.commit(state.id, accepted, token)
 
@@ -574,13 +579,20 @@ class SpeculativeEngine:
             sampling = replace(sampling, max_tokens=left)
         try:
             self.drafter.start(state.id, context, sampling, state.draft_seed)
-        except DRAFTER_FAILURES as err:
+        except Exception as err:
+            # whatever the drafter raised (an in-process draft prefill out of memory,
+            # too): this request decodes without drafts, as over the wire, rather than
+            # the error ending every request of the batch
             self._drafter_failed(state, err)
 
     def _drafter_failed(self, state: RequestState, err: BaseException) -> None:
         """Degrade to plain decoding for the rest of the request (serving.md); the log
-        says why, once per request and failure."""
-        log.warning("request %s goes on without drafts: %s", state.id, err)
+        says why, once per request and failure (with the traceback for an error that is
+        not a drafter's usual failure)."""
+        usual = isinstance(err, DRAFTER_FAILURES)
+        log.warning(
+            "request %s goes on without drafts: %s", state.id, err, exc_info=None if usual else err
+        )
         state.drafting = False
         state.stats.draft_failures += 1
         self.drafter.release(state.id)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from cactus.errors import EngineFailedError
+from cactus.errors import EngineFailedError, WorkerUnavailableError
 
 _END = object()
 log = logging.getLogger("cactus.engine")
@@ -54,8 +54,10 @@ class _Call:
             self.done.put((False, err))
 
 
-class EngineLoopStopped(RuntimeError):
-    """The loop was shut down before the request finished."""
+class EngineLoopStopped(WorkerUnavailableError):
+    """The loop was shut down before the request finished (the replica is being torn
+    down: a scale-down, a replaced replica): retry elsewhere, UNAVAILABLE, as for a
+    request still waiting for a row then, not a bug (INTERNAL)."""
 
 
 def _broken(err: BaseException) -> EngineFailedError:

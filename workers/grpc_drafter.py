@@ -274,10 +274,11 @@ class GrpcDrafter:
             reply = self._result(future)
         except (StaleBlockError, WorkerUnavailableError) as err:
             reply, failure = None, err
-        # when it was answered: a prefetch whose rows all went (cancelled) may be taken
-        # long after, and that wait is no round trip
-        self._round_trip((answered[0] if answered else time.perf_counter()) - sent_at)
         if reply is not None:
+            # when it was answered: a prefetch whose rows all went (cancelled) may be
+            # taken long after, and that wait is no round trip. A failed call is none
+            # either (as in propose): a hung actor's 30 s timeout is not a round trip.
+            self._round_trip((answered[0] if answered else time.perf_counter()) - sent_at)
             self.remote_draft_s += reply.draft_s
             if len(reply.rows) != len(sent):
                 reply, failure = None, WorkerUnavailableError("draft actor: short reply")

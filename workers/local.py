@@ -127,12 +127,23 @@ class LocalDrafter:
                 out[i] = block
         return out
 
-    def _draft(self, rows: Sequence[ProposeRow]) -> list[DraftBlock]:
+    @staticmethod
+    def _checked(block: DraftBlock, finite: bool) -> DraftBlock | StaleBlockError:
+        """A block whose probabilities are not all finite (a float16 / bfloat16 draft
+        overflowing) is this row's failure, as the wire's check makes it on the draft
+        actor's path: the kernel would take a NaN p for a rejection and sample token 0
+        from a NaN residual."""
+        if finite:
+            return block
+        return StaleBlockError(f"{block.request_id}: draft probabilities not finite")
+
+    def _draft(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | StaleBlockError]:
         ids = [r.request_id for r in rows]
         reqs = [self._reqs[i] for i in ids]
         feeds = [list(r.pending) for r in reqs]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        finite = torch.ones(len(rows), dtype=torch.bool)
         for j in range(max(r.k for r in rows)):
             logits = self.runner.forward(ids, feeds, logits="last")  # row i: [1, V] or [0, V]
             active = [i for i, r in enumerate(rows) if r.k > j]
@@ -143,6 +154,8 @@ class LocalDrafter:
                 [reqs[i].generator for i in active], [1] * len(active), device=p.device
             )
             picked = inverse_cdf_sample(p, u[:, 0]).tolist()
+            # NaN or inf anywhere in a row makes its sum so: one [A, V] reduction
+            finite[active] &= torch.isfinite(p.sum(-1)).cpu()
             feeds = [[] for _ in rows]
             for a, i in enumerate(active):
                 tokens[i].append(picked[a])
@@ -152,9 +165,8 @@ class LocalDrafter:
         blocks = []
         for i, req in enumerate(reqs):
             req.pending, req.drafted = [], tokens[i]
-            blocks.append(
-                DraftBlock(ids[i], req.committed, tuple(tokens[i]), torch.stack(probs[i]))
-            )
+            block = DraftBlock(ids[i], req.committed, tuple(tokens[i]), torch.stack(probs[i]))
+            blocks.append(self._checked(block, bool(finite[i])))
         return blocks
 
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
@@ -248,7 +260,15 @@ def local_engine(
         max_num_seqs=rows,
         kv_budget_tokens=kv_budget_tokens,
     )
-    draft = BatchRunner(draft_dir, dtype=dtype, device=device, max_num_seqs=rows)
+    # the draft's KV is bounded alike, as the draft actor's is (batching.kv_budget_tokens:
+    # "the verifier's and the draft actor's each")
+    draft = BatchRunner(
+        draft_dir,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=rows,
+        kv_budget_tokens=kv_budget_tokens,
+    )
     if draft.vocab_size != verifier.vocab_size:
         raise ValueError(
             f"draft_dir: vocabulary {draft.vocab_size} differs from the verifier's "

@@ -111,11 +111,16 @@ class MirroredRunner:
     def __getattr__(self, name):  # read-only properties: vocab_size, max_context, ...
         return getattr(self.runner, name)
 
-    def _mirror(self, op: str, *args, **kwargs):
+    def _mirror(self, op: str, *args, refuse=None, **kwargs):
+        """Broadcast `op` to the followers, then run it here. `refuse()`, under the same
+        lock, raises first what the op would raise here: a follower whose op raises ends
+        its loop, and with it the group."""
         with self._lock:
             if self.world_size == 1:
                 return getattr(self.runner, op)(*args, **kwargs)
             self._check()
+            if refuse is not None:
+                refuse()
             try:
                 ops, self._queued = [*self._queued, (op, args, kwargs)], []
                 start = time.perf_counter()
@@ -138,14 +143,25 @@ class MirroredRunner:
             return result
 
     def start(self, seq_id: str, reserve_tokens: int | None = None) -> None:
-        self._mirror("start", seq_id, reserve_tokens)
+        # a reserve that does not fit (CapacityError) or is bad (ValueError) is refused
+        # here, before any follower sees it
+        self._mirror(
+            "start",
+            seq_id,
+            reserve_tokens,
+            refuse=lambda: self.runner.check_start(seq_id, reserve_tokens),
+        )
 
     def forward(self, seq_ids, token_ids, *, logits: str = "all") -> list[torch.Tensor]:
         seq_ids, token_ids = list(seq_ids), [list(t) for t in token_ids]
-        if self.world_size > 1:  # bad arguments raise here, before any follower sees them
-            with self._lock:
-                self.runner._rows_for(seq_ids, token_ids, logits)
-        return self._mirror("forward", seq_ids, token_ids, logits=logits)
+        # bad arguments raise here, before any follower sees them
+        return self._mirror(
+            "forward",
+            seq_ids,
+            token_ids,
+            logits=logits,
+            refuse=lambda: self.runner._rows_for(seq_ids, token_ids, logits),
+        )
 
     def rollback(self, seq_id: str, num_tokens: int) -> None:
         self._later("rollback", seq_id, num_tokens)

@@ -76,3 +76,21 @@ def test_an_exception_round_trips_through_pickle_with_its_fields(name):
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and str(back) == str(err)
     assert vars(back) == vars(err)
+
+
+def test_a_request_ended_by_an_engine_loop_shut_down_is_unavailable_not_a_bug():
+    """Running requests of a replica torn down (scale-down, a replaced replica) end with
+    EngineLoopStopped: the client is told to retry (UNAVAILABLE), and it is neither
+    logged as a bug nor counted ERROR (it was a RuntimeError: INTERNAL)."""
+    import grpc
+
+    from cactus.errors import is_engine_failure, is_unavailable
+    from deployments.ingress import CactusIngress
+    from workers.engine_loop import EngineLoopStopped
+
+    err = EngineLoopStopped("the engine loop was shut down")
+    assert is_unavailable(err) and not is_engine_failure(err)  # no rebuild for a shutdown
+    assert CactusIngress._fail(None, err, "r")[0] == grpc.StatusCode.UNAVAILABLE
+    from deployments.metrics import failure_reason
+
+    assert failure_reason(err) == "CANCELLED"  # stopped as a drain's cut stops one

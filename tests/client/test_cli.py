@@ -204,6 +204,21 @@ def test_generate_names_a_model_folder_that_is_not_there(tmp_path, capsys):
     assert f"--verifier: no such folder: {missing}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--threads", "-1"], "--threads"), (["--tp", "2"], "--tp"), (["--tp", "0"], "--tp")],
+)
+def test_generate_refuses_threads_and_tp_it_cannot_use(flags, named, capsys):
+    """--threads -1 reached torch.set_num_threads (a RuntimeError traceback, exit 1);
+    --tp 2 without --backend ray was silently one process. Both exit 2 naming the flag,
+    before any model loads."""
+    from client.cli import main
+
+    assert main(["generate", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}:") and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_json_is_the_dict_generate_json_prints(recorder, capsys, stream):
     """`cactus client --json` prints the dict `cactus generate --json` prints

@@ -100,6 +100,15 @@ def test_cluster_example_is_multi_node():
         ({"autoscaling": {"downscale_delay_s": -5.0}}, "autoscaling.downscale_delay_s"),
         ({"autoscaling": {"metrics_interval_s": 0.0}}, "autoscaling.metrics_interval_s"),
         ({"autoscaling": {"look_back_period_s": 0.0}}, "autoscaling.look_back_period_s"),
+        # a window shorter than one report: Ray Serve 2.60 warns, later releases refuse
+        (
+            {"autoscaling": {"metrics_interval_s": 10.0, "look_back_period_s": 5.0}},
+            "autoscaling.look_back_period_s",
+        ),
+        # Serve refused these after Ray had started (a traceback), gRPC's limit is a C int
+        ({"app_name": ""}, "app_name"),
+        ({"app_name": " cactus"}, "app_name"),
+        ({"limits": {"max_message_bytes": 2**31}}, "limits.max_message_bytes"),
     ],
 )
 def test_bad_config_names_the_key_path(raw, path):
@@ -172,6 +181,42 @@ def test_a_malformed_yaml_file_is_a_config_error_naming_the_file(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(path)
     assert str(path) in str(err.value)
+
+
+def test_a_key_given_twice_is_a_config_error_not_the_last_one_silently(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `limits:` block replaced the
+    first whole (max_ongoing_requests 8 went back to 32). A YAML merge key (`<<`) may
+    still be overridden."""
+    from configs.schema import ConfigError, load_config
+
+    path = tmp_path / "twice.yaml"
+    path.write_text("limits: {max_ongoing_requests: 8}\nlimits: {max_queued_requests: 8}\n")
+    with pytest.raises(ConfigError, match="the key 'limits' is given twice"):
+        load_config(path)
+    path.write_text("limits: {max_ongoing_requests: 8, max_ongoing_requests: 9}\n")
+    with pytest.raises(ConfigError, match="'max_ongoing_requests' is given twice"):
+        load_config(path)
+    path.write_text(
+        "limits: {<<: {max_ongoing_requests: 8, max_queued_requests: 3}, max_ongoing_requests: 9}\n"
+    )
+    limits = load_config(path).limits
+    assert (limits.max_ongoing_requests, limits.max_queued_requests) == (9, 3)
+
+
+@pytest.mark.parametrize("text", ["42\n", "- tp_size: 2\n", "false\n", "[]\n"])
+def test_a_file_that_is_not_a_mapping_is_a_config_error_with_or_without_overrides(tmp_path, text):
+    """`make serve PORT=9100 CONFIG=...` merges the port into the file's root: a root
+    that is not a mapping raised TypeError (a traceback) there, and a false or empty
+    list silently meant every default."""
+    from configs.schema import ConfigError, load_config
+
+    path = tmp_path / "root.yaml"
+    path.write_text(text)
+    for overrides in (None, {"grpc_port": 9100}):
+        with pytest.raises(ConfigError, match="<root>: expected a mapping"):
+            load_config(path, overrides)
+    path.write_text("")  # an empty file is every default
+    assert load_config(path, {"grpc_port": 9100}).grpc_port == 9100
 
 
 @pytest.mark.parametrize(
@@ -319,6 +364,50 @@ def test_serve_refuses_model_folders_that_are_not_there_on_its_own_head(tmp_path
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"models.verifier: no such folder: {tmp_path / 'nope'}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "READY" not in out.stdout
+
+
+def test_the_model_folder_check_resolves_paths_as_the_replicas_do(tmp_path, monkeypatch):
+    """A relative models.verifier is the repository's folder (ServeConfig.model_path), as
+    the replicas load it: the launcher's check, run from another directory, looked for it
+    there instead (the shipped config then failed "no such folder")."""
+    from deployments.serve import _missing_model_folders
+
+    monkeypatch.chdir(tmp_path)
+    assert _missing_model_folders(load_config(REPO / "configs" / "default.yaml")) == []
+    (tmp_path / "here").mkdir()  # in the current directory only: not what replicas load
+    config = from_dict({"models": {"verifier": "here", "draft": "models/draft"}})
+    assert _missing_model_folders(config) == [f"models.verifier: no such folder: {REPO / 'here'}"]
+
+
+@pytest.mark.parametrize("flag, field", [("--port", "grpc_port"), ("--http-port", "http_port")])
+def test_serve_refuses_port_0_naming_the_field(flag, field, capsys):
+    """`make serve PORT=0` used to serve on the config's port (a 0 override was read as
+    none), and `make stop PORT=0` then found no server: it is a config error."""
+    from deployments.serve import main
+
+    assert main([flag, "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: {field}: must be a TCP port, got 0"), err
+
+
+def test_serve_says_when_no_ray_cluster_answers_at_ray_address():
+    """RAY_ADDRESS naming a cluster that does not answer: one line saying so and what to
+    do (exit 2), not ray.init's ConnectionError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.serve"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "config error: no Ray cluster answers at 127.0.0.1:1" in out.stderr, out.stderr
+    assert "RAY_ADDRESS=local" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_the_token_budget_is_documented_as_the_scheduler_spends_it():

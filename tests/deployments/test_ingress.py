@@ -172,6 +172,23 @@ def test_an_unset_max_tokens_fits_the_context_the_prompt_leaves(ray_session):
         assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(field)
 
 
+def test_an_unset_max_tokens_fits_the_kv_budget_a_row_has(ray_session):
+    """With batching.kv_budget_tokens below the context, the server's default
+    max_tokens shrinks to what the prompt leaves of the budget too: a request that sends
+    no max_tokens is not refused on that field by the engine (it was, when
+    kv_budget_tokens <= default_max_tokens); a max_tokens the client set is left as sent
+    (the engine refuses it naming the budget)."""
+    engine = FakeEngine()  # max_context 1024
+    shim = _shim(engine, sampling={"default_max_tokens": 64}, batching={"kv_budget_tokens": 64})
+    asyncio.run(shim.Generate(CactusClient.request([5] * 10), Ctx()))
+    assert engine.seen[-1].sampling.max_tokens == 54
+    asyncio.run(shim.Generate(CactusClient.request([5] * 10, max_tokens=60), Ctx()))
+    assert engine.seen[-1].sampling.max_tokens == 60
+    roomy = _shim(engine, sampling={"default_max_tokens": 64}, batching={"kv_budget_tokens": 4096})
+    asyncio.run(roomy.Generate(CactusClient.request([5] * 1000), Ctx()))
+    assert engine.seen[-1].sampling.max_tokens == 24  # the context is the tighter bound
+
+
 def test_the_server_request_timeout_caps_every_time_limit(ray_session):
     """limits.request_timeout_s is the ceiling of a request's time_limit_s (gRPC and
     HTTP build requests through the same LimitsConfig.time_limit); 0 leaves it alone."""
@@ -276,6 +293,25 @@ def test_watch_sends_the_status_and_service_unknown_for_an_unknown_service(ray_s
     sick = _shim(FakeEngine(fail=RuntimeError("down")))
     assert asyncio.run(first(sick, "")) == status.NOT_SERVING
     assert asyncio.run(first(_shim(FakeEngine()), "no.such.Service")) == status.SERVICE_UNKNOWN
+
+
+def test_health_list_gives_every_service_the_server_included(ray_session):
+    """List answers as Check does for each service, the server ("") among them, as
+    grpcio-health-checking's servicer lists it: it is the one status that reflects the
+    draft actor (it was left out)."""
+
+    class NoDraft(FakeEngine):
+        def speculating(self):
+            return False
+
+    status = health_pb2.HealthCheckResponse
+    for engine, server in ((FakeEngine(), status.SERVING), (NoDraft(), status.NOT_SERVING)):
+        reply = asyncio.run(_shim(engine).List(health_pb2.HealthListRequest(), Ctx()))
+        assert {name: s.status for name, s in reply.statuses.items()} == {
+            "": server,
+            "cactus.v1.Cactus": status.SERVING,
+            "grpc.health.v1.Health": status.SERVING,
+        }
 
 
 def test_open_health_watches_are_capped_per_replica(ray_session):

@@ -259,6 +259,117 @@ def test_an_unset_max_tokens_fits_the_context_over_http(ray_session):
         body = {"messages": messages, name: 64}
         reply = _raw(app, "POST", "/v1/chat/completions", json=body)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == name, reply.text
+    # under a KV budget tighter than the context, the default fits the budget
+    shim, app = _app(sampling={"default_max_tokens": 64}, batching={"kv_budget_tokens": 64})
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": [5] * 10})
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].sampling.max_tokens == 54
+
+
+def test_logprobs_carry_the_bytes_of_tokens_that_split_a_character(ray_session):
+    """The embedded tokenizer is byte-level BPE: "é" and "你" are tokens of one byte
+    each. Each token decoded alone is U+FFFD, so chat's `bytes` could not rebuild the
+    text and completions' text_offset drifted by one per split character. Now `bytes`
+    are the token's own, a partial token's text is OpenAI's "bytes:\\xNN", and each
+    offset counts the text's characters before the token."""
+    from deployments.openai_api import Shape
+    from workers.request import TokenLogprob
+
+    shim, _ = _app()
+    tok = shim.tokenizer
+    text = "é 你x"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 4  # the two characters are split
+    entries = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in ids]
+    chat = Shape(True, "m", "r", tok).logprobs(entries)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode() == text
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in chat)
+    assert "\ufffd" not in "".join(e["token"] for e in chat)
+    assert chat[0]["token"] == "bytes:\\xc3" and chat[-1]["token"] == "x"
+    shape = Shape(False, "m", "r", tok)
+    # streamed in two pieces, split inside "你": the offsets run on across them
+    first, second = shape.logprobs(entries[:4]), shape.logprobs(entries[4:])
+    offsets = first["text_offset"] + second["text_offset"]
+    tokens = first["tokens"] + second["tokens"]
+    assert tokens[-1] == "x" and text[offsets[-1]] == "x"
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert text[offsets[tokens.index(" ")]] == " "
+    # ASCII tokens are their text, as before
+    code = tok.encode("def f(x):", add_special_tokens=False)
+    plain = Shape(False, "m", "r", tok).logprobs([TokenLogprob(t, -1.0) for t in code])
+    assert "".join(plain["tokens"]) == "def f(x):"
+
+
+def test_openai_fields_sent_with_their_off_value_are_accepted(ray_session):
+    """Frameworks send tools: [], tool_choice "none", response_format {"type": "text"}
+    and the like by default; each means what leaving it out means, so it is accepted
+    (as vLLM does), where any other value is a 400 naming it (the table above). A chat
+    message's name and tool_call_id reach the template; tool calls are refused."""
+    shim, app = _app()
+    off = {
+        "tools": [],
+        "tool_choice": "none",
+        "parallel_tool_calls": False,
+        "response_format": {"type": "text"},
+        "store": False,
+        "metadata": {"team": "a"},
+    }
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", **off})
+    assert reply.status_code == 200, reply.text
+    shim.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.name or '' }}{{ m.tool_call_id or '' }}:"
+        "{{ m.content }}{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "content": "42", "tool_call_id": "call_7"},
+    ]
+    reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": messages, **off})
+    assert reply.status_code == 200, reply.text
+    rendered = shim.tokenizer.decode(shim.engine.seen[-1].prompt_token_ids)
+    assert "ann:hi" in rendered and "call_7:42" in rendered, rendered
+    for message, param in (
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, "tool_calls"),
+        ({"role": "user", "content": "x", "function_call": {"name": "f"}}, "function_call"),
+        ({"role": "user", "content": "x", "name": 3}, "name"),
+    ):
+        reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": [message]})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == f"messages[0].{param}", reply.text
+
+
+@pytest.mark.parametrize(
+    "route, raw, param",
+    [
+        ("/v1/completions", b'{"prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["ok", "a\\udfffb"]}', "prompt[1]"),
+        ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', "body"),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "stop[0]"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages[0].content",
+        ),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "body"),
+    ],
+)
+def test_lone_surrogates_and_huge_integers_are_400s_naming_where(ray_session, route, raw, param):
+    """JSON's \\ud800 escape is a lone surrogate in Python: the tokenizer raised a
+    TypeError (500), and a key holding one broke the error reply itself (Starlette's
+    plain-text 500). An integer past Python's 4,300 digits was "must be a JSON object"."""
+    shim, app = _app()
+    reply = _raw(app, "POST", route, content=raw, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param, error
+    assert ("surrogate" in error["message"] or "not valid Unicode" in error["message"]) or (
+        "too many digits" in error["message"]
+    ), error
+    assert shim.engine.seen == []
+    # a surrogate pair is one character (an emoji): fine
+    ok = _raw(app, "POST", "/v1/completions", content=b'{"prompt": "\\ud83d\\ude00"}')
+    assert ok.status_code == 200, ok.text
 
 
 def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_session):
@@ -318,6 +429,11 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"prompt": "x", "tool_choice": "required"}, 400, "tool_choice"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "x", "store": True}, 400, "store"),
+        ({"prompt": "x", "model": 5}, 400, "model"),  # a type error, not "no such model"
+        ({"prompt": "x", "model": ["verifier"]}, 400, "model"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": "x", "logprobs": True}, 400, "logprobs"),

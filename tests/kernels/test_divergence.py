@@ -82,3 +82,11 @@ def test_acceptance_is_non_decreasing_in_delta():
         assert (rates[1:] >= rates[:-1] - 1e-12).all()
         assert torch.allclose(rates[0], torch.minimum(p, q).double().sum(-1))
         assert (rates[-1] > rates[0]).any()
+
+
+def test_cactus_boost_of_a_q_a_rounding_above_one_is_one_not_nan():
+    """A float32 row whose largest entry rounds just above 1: sqrt of a negative 1 - q
+    gave NaN, and the kernel then rejected the token and sampled a NaN residual."""
+    q = torch.tensor([[1.0000001, 1.0 + 2**-23, 1.0]], dtype=torch.float32)
+    h = cactus_boost(q, torch.tensor([[1.0]], dtype=torch.float64))
+    assert torch.isfinite(h).all() and (h == 1.0).all(), h

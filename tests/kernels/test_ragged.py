@@ -301,6 +301,25 @@ def test_bad_tensors_raise_value_error_naming_the_argument(name, field, change):
         ragged_accept(*_with(field, change), validate=True)
 
 
+def test_the_entry_point_checks_values_by_default():
+    """acceptance.md: NaN or inf in the inputs is a clear ValueError from the entry point.
+    ragged_accept's value scans were off unless asked for, so a NaN draft row came out
+    as token 0 (the torch path's NaN residual) without a word; the engine, which checks
+    its rows itself, turns them off."""
+    with pytest.raises(ValueError, match="draft_probs"):
+        ragged_accept(*_with("draft_probs", lambda t: _poke(t, (1, 3), math.nan)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_probabilities_are_refused_naming_the_argument(dtype):
+    """Probabilities are float32 (acceptance.md), even for a bf16 model: a bfloat16 row's
+    block sums round to 8 bits (a token of mass 2^-9 beside two of 0.5 was never
+    sampled)."""
+    for field in ("draft_probs", "target_probs"):
+        with pytest.raises(ValueError, match=f"{field}: expected float32"):
+            ragged_accept(*_with(field, lambda t: t.to(dtype)))
+
+
 # --- AcceptMetadata path == keyword path -------------------------------------------------
 
 

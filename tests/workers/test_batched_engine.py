@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from cactus.errors import InvalidRequestError, RequestCancelledError, WorkerUnavailableError
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
@@ -203,6 +204,11 @@ def test_kv_budget_queues_requests_that_do_not_fit(tiny_checkpoints):
     want = engine.generate(replace(reqs[0], request_id="kv-solo")).token_ids
     assert all(_result(out[r.request_id]).token_ids == want for r in reqs)
     assert engine.verifier.runner.kv_slots <= 128
+    # the in-process draft's cache is bounded alike (it was not: max_num_seqs x context),
+    # and every request still drafted
+    assert engine.drafter.runner.kv_budget_tokens == 128
+    assert engine.drafter.runner.kv_slots <= 128
+    assert all(_result(out[r.request_id]).stats.draft_failures == 0 for r in reqs)
 
 
 def test_a_request_larger_than_the_whole_kv_budget_is_refused_not_queued(tiny_checkpoints):
@@ -397,6 +403,69 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(
     assert "not finite" in str(out["r1"][-1])
     for rid in ("r0", "r2"):
         assert _result(out[rid]).token_ids == solo[rid], rid
+    assert not embedded_engine.has_work()
+
+
+def test_a_request_whose_draft_probabilities_are_not_finite_goes_on_without_drafts(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """A NaN in one sampled request's draft logits (a float16 draft overflowing) made a
+    NaN p, which the kernel took for a rejection and whose NaN residual gave token 0:
+    the in-process drafter checked nothing (the wire checks the draft actor's blocks).
+    Now that row's block is a draft failure: the request goes on by plain decoding, and
+    the other rows give their solo tokens."""
+    reqs = [
+        _req(heldout_prompts[i], f"n{i}", temperature=0.8, seed=40 + i, max_tokens=16)
+        for i in range(3)
+    ]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    runner = embedded_engine.drafter.runner
+    real = runner.forward
+    calls = []
+
+    def poisoned(seq_ids, token_ids, **kw):
+        logits = real(seq_ids, token_ids, **kw)
+        if kw.get("logits") == "last" and "n1" in seq_ids and len(seq_ids) == 3:
+            calls.append(1)
+            if len(calls) == 2:  # a draft forward with every request in it
+                i = list(seq_ids).index("n1")
+                logits[i] = torch.full_like(logits[i], float("nan"))
+        return logits
+
+    monkeypatch.setattr(runner, "forward", poisoned)
+    out = _run_together(embedded_engine, reqs)
+    assert len(calls) >= 2
+    poisoned_result = _result(out["n1"])
+    assert poisoned_result.stats.draft_failures == 1
+    assert len(poisoned_result.token_ids) == 16
+    for rid in ("n0", "n2"):
+        assert _result(out[rid]).token_ids == solo[rid], rid
+    assert not embedded_engine.has_work()
+
+
+def test_a_draft_prefill_that_raises_degrades_its_request_alone(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """The in-process drafter prefills a prompt when its request is admitted; an error
+    there other than a drafter's usual ones (an out-of-memory RuntimeError, say) escaped
+    the step and ended every request of the batch. It now degrades that request alone,
+    as a draft actor's failure does."""
+    reqs = [_req(heldout_prompts[i], f"d{i}", temperature=0.0, max_tokens=12) for i in range(3)]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    drafter = embedded_engine.drafter
+    real = drafter.start
+
+    def failing(request_id, *args, **kw):
+        if request_id == "d1":
+            raise RuntimeError("out of memory in the draft prefill")
+        return real(request_id, *args, **kw)
+
+    monkeypatch.setattr(drafter, "start", failing)
+    out = _run_together(embedded_engine, reqs)
+    for rid in ("d0", "d1", "d2"):  # greedy: the verifier's tokens, drafts or none
+        assert _result(out[rid]).token_ids == solo[rid], rid
+    assert _result(out["d1"]).stats.draft_failures == 1
+    assert _result(out["d1"]).stats.num_drafts == 0
     assert not embedded_engine.has_work()
 
 

@@ -214,6 +214,31 @@ def test_a_prefetch_taken_late_counts_its_round_trip_not_the_wait(draft_server):
         drafter.close()
 
 
+def test_a_failed_prefetch_is_no_round_trip(tiny_checkpoints):
+    """A prefetched ProposeBatch that fails (here the draft side aborts it, as a hung
+    actor's call ends at its timeout) gives its rows the error and records no round
+    trip: a 30 s timeout in cactus_draft_round_trip_seconds is not one (the blocking
+    propose never counted a failed call either)."""
+    import grpc
+
+    class Failing(DraftServicer):
+        async def ProposeBatch(self, request, context):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "too slow")
+
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
+    with _serving(Failing(LocalDrafter(runner))) as address:
+        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+        try:
+            drafter.start("a", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.8), 1)
+            drafter.flush("a")
+            drafter.prefetch([ProposeRow("a", 2)])
+            (block,) = drafter.propose([ProposeRow("a", 2)])
+            assert isinstance(block, WorkerUnavailableError), block
+            assert drafter.take_round_trips() == []
+        finally:
+            drafter.close()
+
+
 @contextlib.contextmanager
 def _slow_prefill_drafter(tiny_checkpoints):
     """A draft server of two rows whose prefill of request "long" takes 0.1 s a chunk

@@ -88,6 +88,28 @@ class _Stoppable(FlakyGroup):
         self.ranks = []
 
 
+def test_serves_health_check_alone_starts_the_monitor_that_finds_a_dead_rank(ray_session):
+    """The monitor started with the first request or probe: a replica that Serve's
+    health check alone reached never probed its actors, so a rank that died while it
+    was idle was never restarted (and `cactus_engine_serving` stayed 1)."""
+    from tests.deployments.test_ingress import _shim
+
+    async def run():
+        group = _Stoppable()
+        group.ranks = [SimpleNamespace(ping=_Answer(fail=True))]  # died while idle
+        sup = EngineSupervisor(group, _config())
+        shim = _shim(sup)
+        for _ in range(10):
+            await shim.check_health()  # what Serve calls, every period
+            await asyncio.sleep(0.05)
+        return group, sup
+
+    group, sup = asyncio.run(run())
+    assert group.ranks[0].ping.calls >= 1 and group.restarts >= 1
+    assert sup.counters["rank_restarts"] >= 1
+    sup.shutdown()
+
+
 @pytest.mark.parametrize("how", ["supervisor", "group"])
 def test_after_shutdown_the_monitor_restarts_nothing(how):
     """The ingress's __del__ shuts the group down (directly, or through the

@@ -34,6 +34,9 @@ class _Runner:
     def start(self, seq_id, reserve_tokens=None) -> None:
         self.ops.append("start")
 
+    def check_start(self, seq_id, reserve_tokens=None):  # BatchRunner's: it fits
+        return reserve_tokens, None
+
     def _rows_for(self, seq_ids, token_ids, logits):  # BatchRunner's argument check
         if any(s != "a" for s in seq_ids):
             raise KeyError(seq_ids)
@@ -116,6 +119,23 @@ def test_bad_forward_arguments_are_refused_before_the_broadcast(broadcasts):
     mirror.release("a")
     mirror.start("a", 4)  # the group still works, the queued release travels with it
     assert [op[0] for op in broadcasts[-1]] == ["release", "start"]
+
+
+def test_a_start_that_does_not_fit_is_refused_before_the_broadcast(broadcasts, tiny_checkpoints):
+    """A start rank 0 refuses (no row left, or a bad reserve) used to be broadcast
+    first: each follower's start raised too and ended its loop, and the group was
+    broken for every request. It is refused before any follower sees it."""
+    from workers.batch_runner import BatchRunner, CapacityError
+
+    mirror = MirroredRunner(BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=1), 2)
+    mirror.start("a", 8)
+    with pytest.raises(CapacityError, match="cannot admit 'b'"):
+        mirror.start("b", 8)
+    with pytest.raises(ValueError, match="reserve_tokens=0"):
+        mirror.start("c", 0)
+    assert mirror.failed is None and len(broadcasts) == 1
+    mirror.start("a", 8)  # a start that replaces its own row still fits
+    assert mirror.failed is None and len(broadcasts) == 2
 
 
 def _rank0(mirror=None) -> VerifierRank:
