@@ -135,8 +135,9 @@ def tokenize(
     fit_max_tokens: max_tokens is the server's default, not the client's, so it shrinks
     to the context the prompt leaves (as vLLM's default does) instead of failing.
     row_tokens: the most tokens one engine row holds (batching.kv_budget_tokens, when
-    below the context): the default shrinks to what the prompt leaves of that too, so a
-    request that sets no max_tokens is never refused for a field it did not send."""
+    below the context): the default shrinks to what the prompt leaves of that too, and a
+    prompt that leaves no room in it is refused naming the prompt, so a request that sets
+    no max_tokens is never refused for a field it did not send."""
     most = limits.max_context if row_tokens is None else min(limits.max_context, row_tokens)
     if fit_max_tokens and request.sampling.max_tokens > most:
         request = replace(request, sampling=replace(request.sampling, max_tokens=most))
@@ -153,6 +154,12 @@ def tokenize(
                 f"{len(ids)} tokens leave no room in max context {limits.max_context}",
             )
         request = replace(request, prompt=None, prompt_token_ids=tuple(ids))
+    if len(ids) > most - 1:  # the context's case is refused above, naming it
+        raise InvalidRequestError(
+            "prompt",
+            f"{len(ids)} tokens leave no room in the {most} KV slots a request may hold "
+            "(batching.kv_budget_tokens)",
+        )
     room = most - len(ids)
     if fit_max_tokens and 1 <= room < request.sampling.max_tokens:
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))

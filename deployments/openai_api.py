@@ -360,7 +360,9 @@ class TokenText:
         self.tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel"
-        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        # special and added tokens are plain text in the vocabulary, not byte strings
+        added = getattr(tokenizer, "get_added_vocab", dict)() or {}
+        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(added.values())
         self._bytes: dict[int, bytes] = {}
 
     def bytes(self, token_id: int) -> bytes:
@@ -526,8 +528,12 @@ def chat_prompt_ids(body: dict, tokenizer, max_chars: int | None = None) -> list
                 )
             if key in ("name", "tool_call_id") and not isinstance(value, str):
                 raise InvalidRequestError(f"messages[{i}].{key}", "must be a string")
-            if key not in ("name", "tool_call_id", "tool_calls", "refusal"):
-                raise InvalidRequestError(f"messages[{i}].{key}", "unknown field")
+            if key == "function_call":  # the deprecated form of a tool call
+                raise InvalidRequestError(
+                    f"messages[{i}].function_call", "function calls are not supported"
+                )
+            # other keys (annotations, vLLM's reasoning_content, ...) are left out of
+            # the template, as before: clients replay other servers' replies
         # name and tool_call_id reach the template (those that use them render them)
         plain.append(
             {"role": m["role"], "content": text}

@@ -187,8 +187,11 @@ def main(argv=None) -> int:
             configure_logging=False,
         )
     except ConnectionError as err:
-        # RAY_ADDRESS (or "auto") names a cluster that does not answer
-        joined = os.environ.get("RAY_ADDRESS") or "the one `ray start` recorded"
+        # RAY_ADDRESS (or "auto") names a cluster that does not answer; a recorded
+        # cluster that does not answer was skipped above (ray_address)
+        joined = os.environ.get("RAY_ADDRESS", "")
+        if joined in ("", "local"):  # a head of its own that failed to start
+            raise
         print(
             f"config error: no Ray cluster answers at {joined} ({err}); start it with "
             "`ray start`, fix RAY_ADDRESS, or run with RAY_ADDRESS=local to start a head "

@@ -389,7 +389,7 @@ class BatchRunner(LoadedModel):
         it); a piece joins the call before it while that call computes at most twice the
         tokens its pieces would alone, or at most MERGE_SLACK_TOKENS more (one call per
         decode or drafting step when its rows lie together; decode rows far apart among
-        prefilling rows, say rows 0 and 31 at K + 1 = 9, take two)."""
+        prefilling rows, say rows 0, 10, 20 and 30 at K + 1 = 9, take one each)."""
         active = sorted((row, len(token_ids[i]), i) for i, row in enumerate(rows) if token_ids[i])
 
         def dense(members) -> int:  # tokens a call over these rows' range computes

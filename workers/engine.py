@@ -413,16 +413,20 @@ class SpeculativeEngine:
         blocks: dict[str, DraftBlock] = {}
         if not rows:
             return ks, blocks
+        traced = False
         try:
             out = self.drafter.propose(rows)
         except Exception as err:  # any drafter error costs the drafts, not the requests
+            if not isinstance(err, DRAFTER_FAILURES):  # its traceback once, not per row
+                log.warning("the drafter failed for %d rows", len(rows), exc_info=err)
+                traced = True
             out = [err] * len(rows)
         by_id = {s.id: s for s in running}
         for row, block in zip(rows, out, strict=True):
             if isinstance(block, DraftBlock):
                 blocks[row.request_id] = block
             else:
-                self._drafter_failed(by_id[row.request_id], block)
+                self._drafter_failed(by_id[row.request_id], block, traced=traced)
         ks = [k if s.id in blocks else 0 for s, k in zip(running, ks, strict=True)]
         return ks, blocks
 
@@ -585,11 +589,13 @@ class SpeculativeEngine:
             # the error ending every request of the batch
             self._drafter_failed(state, err)
 
-    def _drafter_failed(self, state: RequestState, err: BaseException) -> None:
+    def _drafter_failed(
+        self, state: RequestState, err: BaseException, *, traced: bool = False
+    ) -> None:
         """Degrade to plain decoding for the rest of the request (serving.md); the log
         says why, once per request and failure (with the traceback for an error that is
         not a drafter's usual failure)."""
-        usual = isinstance(err, DRAFTER_FAILURES)
+        usual = traced or isinstance(err, DRAFTER_FAILURES)
         log.warning(
             "request %s goes on without drafts: %s", state.id, err, exc_info=None if usual else err
         )

@@ -187,6 +187,14 @@ def test_an_unset_max_tokens_fits_the_kv_budget_a_row_has(ray_session):
     roomy = _shim(engine, sampling={"default_max_tokens": 64}, batching={"kv_budget_tokens": 4096})
     asyncio.run(roomy.Generate(CactusClient.request([5] * 1000), Ctx()))
     assert engine.seen[-1].sampling.max_tokens == 24  # the context is the tighter bound
+    # a prompt that fills the budget is refused naming the prompt, not max_tokens
+    seen = len(engine.seen)
+    for sent in ({}, {"max_tokens": 5}):
+        ctx = Ctx()
+        asyncio.run(shim.Generate(CactusClient.request([5] * 70, **sent), ctx))
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT, ctx.details
+        assert ctx.details.startswith("prompt:") and "64 KV slots" in ctx.details, ctx.details
+    assert len(engine.seen) == seen
 
 
 def test_the_server_request_timeout_caps_every_time_limit(ray_session):
@@ -362,6 +370,7 @@ def test_a_replaced_draft_actor_leaves_the_server_not_serving_and_the_service_se
         assert check("grpc.health.v1.Health").status == status.SERVING
         listed = asyncio.run(shim.List(health_pb2.HealthListRequest(), Ctx())).statuses
         assert {n: s.status for n, s in listed.items()} == {
+            "": server,
             "cactus.v1.Cactus": status.SERVING,
             "grpc.health.v1.Health": status.SERVING,
         }

@@ -979,6 +979,7 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
 ):
     import torch
 
+    from deployments.openai_api import token_text
     from tests.workers.test_logprobs import _recomputed_log_q
 
     prompt = heldout_prompts[2]
@@ -990,6 +991,7 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
     )
     grpc_reply = server.client().generate(prompt, top_k=40, logprobs=3, **kw)
     tokens = list(grpc_reply.token_ids)
+    words = token_text(embedded_engine.tokenizer)
     sampling = SamplingParams(top_k=40, logprobs=3, **kw)
     want = _recomputed_log_q(embedded_engine, ids, tokens, sampling)
     lp = http.choices[0].logprobs
@@ -1008,10 +1010,17 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
         assert all(abs(v - float(want[pos, t])) < 1e-4 for t, v in top), (pos, top)
         by_text: dict = {}
         for t, v in top:
-            by_text.setdefault(embedded_engine.tokenizer.decode([t]), v)
+            by_text.setdefault(words.text(t), v)
         assert lp.top_logprobs[pos] == pytest.approx(by_text, abs=1e-9), pos
-    assert "".join(lp.tokens) == http.choices[0].text
-    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(tokens))]
+    # each token's own bytes join into the text (a token that splits a character reads
+    # bytes:\\xNN), and each offset counts the text's characters before it
+    text = http.choices[0].text
+    assert b"".join(words.bytes(t) for t in tokens).decode() == text
+    assert lp.tokens == [words.text(t) for t in tokens]
+    assert lp.text_offset == [
+        len(b"".join(words.bytes(t) for t in tokens[:i]).decode(errors="ignore"))
+        for i in range(len(tokens))
+    ]
     chat_err = None
     try:
         client.chat.completions.create(

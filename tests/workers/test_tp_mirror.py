@@ -194,7 +194,9 @@ class _Loop:
 
     def call(self, fn):
         if self.mode == "stopped":
-            raise RuntimeError("the engine loop is shut down")
+            from workers.engine_loop import EngineLoopStopped
+
+            raise EngineLoopStopped("the engine loop is shut down")
         if self.mode == "timeout":
             self.queued.append(fn)
             raise queue.Empty
