@@ -127,21 +127,36 @@ def ray_address() -> str | None:
     from ray._private.services import find_bootstrap_address
 
     recorded = find_bootstrap_address(None)
-    if not recorded:
+    if not recorded or _answers(recorded):
         return None
-    host, _, port = recorded.rpartition(":")
+    print(
+        f"WARNING: the Ray cluster recorded in {get_ray_address_file(None)} "
+        f"({recorded}) does not answer: starting a local head instead (export "
+        "RAY_ADDRESS=<head>:<port> to join a cluster)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "local"
+
+
+def _answers(address: str, timeout_s: float = 2.0) -> bool:
+    """A TCP connection to host:port opens (what a GCS that runs does at once)."""
+    host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
-        return None
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return True
     except (OSError, ValueError):
-        print(
-            f"WARNING: the Ray cluster recorded in {get_ray_address_file(None)} "
-            f"({recorded}) does not answer: starting a local head instead (export "
-            "RAY_ADDRESS=<head>:<port> to join a cluster)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return "local"
+        return False
+
+
+def unreachable_ray_address() -> str | None:
+    """RAY_ADDRESS when it names a host:port where nothing answers: `ray.init` would
+    dial it for minutes, printing GCS timeouts. "auto", "local" and ray:// client
+    addresses are left to Ray."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address or address in ("auto", "local") or "://" in address:
+        return None
+    return None if _answers(address) else address
 
 
 def main(argv=None) -> int:
@@ -177,6 +192,16 @@ def main(argv=None) -> int:
 
     from deployments.app import build_app, replica_bundles, start_serve
 
+    # (with --num-cpus, Ray's own refusal to size a cluster it joins comes first, below)
+    unreachable = unreachable_ray_address() if args.num_cpus is None else None
+    if unreachable is not None:
+        print(
+            f"config error: RAY_ADDRESS={unreachable}: no Ray cluster answers there; start "
+            "it with `ray start --head`, fix RAY_ADDRESS, or run with RAY_ADDRESS=local to "
+            "start a head of its own",
+            file=sys.stderr,
+        )
+        return 2
     address = ray_address()
     try:
         ray.init(
@@ -187,15 +212,13 @@ def main(argv=None) -> int:
             configure_logging=False,
         )
     except ConnectionError as err:
-        # RAY_ADDRESS (or "auto") names a cluster that does not answer; a recorded
-        # cluster that does not answer was skipped above (ray_address)
-        joined = os.environ.get("RAY_ADDRESS", "")
-        if joined in ("", "local"):  # a head of its own that failed to start
+        # RAY_ADDRESS=auto with no cluster recorded on this machine (a host:port that
+        # does not answer was refused above, a dead recorded one skipped: ray_address)
+        if os.environ.get("RAY_ADDRESS", "").strip() != "auto":
             raise
         print(
-            f"config error: no Ray cluster answers at {joined} ({err}); start it with "
-            "`ray start`, fix RAY_ADDRESS, or run with RAY_ADDRESS=local to start a head "
-            "of its own",
+            f"config error: RAY_ADDRESS=auto: {err}; start a cluster with `ray start "
+            "--head`, or run with RAY_ADDRESS=local to start a head of its own",
             file=sys.stderr,
         )
         return 2

@@ -228,7 +228,9 @@ def test_attach_draft_switches_only_once_the_engine_did(fake_grpc_drafter):
 
     # the engine loop refused the call: the old drafter stays, the new one is closed
     rank, old = _attaching("stopped")
-    with pytest.raises(RuntimeError, match="shut down"):
+    from workers.engine_loop import EngineLoopStopped
+
+    with pytest.raises(EngineLoopStopped, match="shut down"):
         rank.attach_draft("new:2")
     assert rank.drafter is old and rank.engine.drafter is old and not old.closed
     assert _Drafter.made[-1].address == "new:2" and _Drafter.made[-1].closed
