@@ -150,13 +150,28 @@ def _answers(address: str, timeout_s: float = 2.0) -> bool:
 
 
 def unreachable_ray_address() -> str | None:
-    """RAY_ADDRESS when it names a host:port where nothing answers: `ray.init` would
-    dial it for minutes, printing GCS timeouts. "auto", "local" and ray:// client
-    addresses are left to Ray."""
+    """Why RAY_ADDRESS cannot be joined, or None: a host:port where nothing answers, or
+    "auto" while the cluster `ray start` recorded does not answer (`ray.init` would dial
+    either for minutes, printing GCS timeouts), or an address with no port. "local" and
+    ray:// client addresses are left to Ray. Call after `environment.apply()`."""
     address = os.environ.get("RAY_ADDRESS", "").strip()
-    if not address or address in ("auto", "local") or "://" in address:
+    if not address or address == "local" or "://" in address:
         return None
-    return None if _answers(address) else address
+    if address == "auto":
+        from ray._private.services import find_bootstrap_address
+
+        recorded = find_bootstrap_address(None)
+        if recorded and not _answers(recorded):
+            return (
+                f"RAY_ADDRESS=auto: the cluster `ray start` recorded ({recorded}) does not answer"
+            )
+        return None  # nothing recorded: Ray's own ConnectionError, below
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return f"RAY_ADDRESS={address}: expected <head host>:<GCS port>"
+    if not _answers(address):
+        return f"RAY_ADDRESS={address}: no Ray cluster answers there"
+    return None
 
 
 def main(argv=None) -> int:
@@ -196,9 +211,8 @@ def main(argv=None) -> int:
     unreachable = unreachable_ray_address() if args.num_cpus is None else None
     if unreachable is not None:
         print(
-            f"config error: RAY_ADDRESS={unreachable}: no Ray cluster answers there; start "
-            "it with `ray start --head`, fix RAY_ADDRESS, or run with RAY_ADDRESS=local to "
-            "start a head of its own",
+            f"config error: {unreachable}; start the cluster with `ray start --head`, fix "
+            "RAY_ADDRESS, or run with RAY_ADDRESS=local to start a head of its own",
             file=sys.stderr,
         )
         return 2
@@ -212,8 +226,8 @@ def main(argv=None) -> int:
             configure_logging=False,
         )
     except ConnectionError as err:
-        # RAY_ADDRESS=auto with no cluster recorded on this machine (a host:port that
-        # does not answer was refused above, a dead recorded one skipped: ray_address)
+        # RAY_ADDRESS=auto with no cluster recorded on this machine (a host:port or a
+        # recorded cluster that does not answer was refused above)
         if os.environ.get("RAY_ADDRESS", "").strip() != "auto":
             raise
         print(

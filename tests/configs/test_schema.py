@@ -392,7 +392,7 @@ def test_serve_refuses_port_0_naming_the_field(flag, field, capsys):
 
 def test_serve_says_when_no_ray_cluster_answers_at_ray_address():
     """RAY_ADDRESS naming a cluster that does not answer: one line saying so and what to
-    do (exit 2), not ray.init's ConnectionError traceback."""
+    do (exit 2), not ray.init dialling it for minutes."""
     import os
     import subprocess
     import sys
@@ -408,6 +408,32 @@ def test_serve_says_when_no_ray_cluster_answers_at_ray_address():
     assert out.returncode == 2, out.stderr[-2000:]
     assert "config error: RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers" in out.stderr, out.stderr
     assert "RAY_ADDRESS=local" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "address, recorded, words",
+    [
+        ("127.0.0.1:1", None, "RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there"),
+        ("10.0.0.5", None, "RAY_ADDRESS=10.0.0.5: expected <head host>:<GCS port>"),
+        ("auto", "127.0.0.1:1", "the cluster `ray start` recorded (127.0.0.1:1) does not"),
+        ("auto", None, None),  # nothing recorded: Ray's own ConnectionError, at once
+        ("local", None, None),
+        ("ray://head:10001", None, None),
+    ],
+)
+def test_which_ray_addresses_the_launcher_refuses_before_dialling(
+    monkeypatch, address, recorded, words
+):
+    """ray.init dials a RAY_ADDRESS (or, for "auto", the cluster `ray start` recorded)
+    for minutes when nothing answers there; the launcher refuses those at once."""
+    import ray._private.services as services
+
+    from deployments.serve import unreachable_ray_address
+
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda _temp_dir: recorded)
+    got = unreachable_ray_address()
+    assert (got is None) if words is None else (words in got), got
 
 
 def test_the_token_budget_is_documented_as_the_scheduler_spends_it():
