@@ -178,7 +178,7 @@ def write_report(
         "## 3. Serving load",
         "",
         "Streaming gRPC clients against `python -m deployments.serve` (embedded models, "
-        "TP = 1), back-to-back 64-token requests, "
+        f"TP = 1), back-to-back {settings.get('load_max_tokens', 64)}-token requests, "
         f"{settings['seconds']:g} s per level, levels interleaved by rule; each rule first "
         f"runs {settings.get('load_warmup_s', 0):g} s unmeasured at the top level's load, and "
         f"every cell settles {settings.get('load_settle_s', 0):g} s at its own load before "
