@@ -143,7 +143,7 @@ class LocalDrafter:
         feeds = [list(r.pending) for r in reqs]
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        finite = torch.ones(len(rows), dtype=torch.bool)
+        finite = None  # [B] on the model's device: read once at the end, no sync a step
         for j in range(max(r.k for r in rows)):
             logits = self.runner.forward(ids, feeds, logits="last")  # row i: [1, V] or [0, V]
             active = [i for i, r in enumerate(rows) if r.k > j]
@@ -155,18 +155,21 @@ class LocalDrafter:
             )
             picked = inverse_cdf_sample(p, u[:, 0]).tolist()
             # NaN or inf anywhere in a row makes its sum so: one [A, V] reduction
-            finite[active] &= torch.isfinite(p.sum(-1)).cpu()
+            if finite is None:
+                finite = torch.ones(len(rows), dtype=torch.bool, device=p.device)
+            finite[active] &= torch.isfinite(p.sum(-1))
             feeds = [[] for _ in rows]
             for a, i in enumerate(active):
                 tokens[i].append(picked[a])
                 probs[i].append(p[a])
                 if j < rows[i].k - 1:  # the last drafted token stays pending
                     feeds[i] = [picked[a]]
+        finite = finite.tolist()
         blocks = []
         for i, req in enumerate(reqs):
             req.pending, req.drafted = [], tokens[i]
             block = DraftBlock(ids[i], req.committed, tuple(tokens[i]), torch.stack(probs[i]))
-            blocks.append(self._checked(block, bool(finite[i])))
+            blocks.append(self._checked(block, finite[i]))
         return blocks
 
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
