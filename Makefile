@@ -121,10 +121,11 @@ stop:
 	else rm -f $$pid; echo "no server running on port $(GRPC_PORT)"; fi
 
 # The prompt reaches the command as written (quotes, $ and backticks included): make's
-# $(value) leaves it unexpanded, and it is single-quoted for the shell.
+# $(value) leaves it unexpanded, it is single-quoted for the shell, and --prompt=... keeps
+# a prompt starting with "-" from being read as an option.
 PROMPT ?= def fibonacci(n):
 generate: setup
-	$(PY) -m client.cli generate --prompt '$(subst ','\'',$(value PROMPT))' --stream
+	$(PY) -m client.cli generate --prompt='$(subst ','\'',$(value PROMPT))' --stream
 
 # Retrain the embedded draft/verifier pair (about an hour on 2 cores; progress printed).
 models: setup

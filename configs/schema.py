@@ -144,10 +144,11 @@ class LimitsConfig(_Model):
     max_prompt_chars: Int = doc(
         "longest text prompt accepted (chat: all messages' content together)", 100_000
     )
-    max_health_watches: Int = doc(
+    max_health_watches: Int | None = doc(
         "open grpc.health.v1 Watch calls per replica (Watch needs no token and holds one of "
-        "the max_ongoing_requests slots while open); beyond: RESOURCE_EXHAUSTED",
-        4,
+        "the max_ongoing_requests slots while open); beyond: RESOURCE_EXHAUSTED. Must be "
+        "below max_ongoing_requests; null: 4, or max_ongoing_requests - 1 where lower",
+        None,
     )
     max_message_bytes: Int = doc(
         "gRPC receive limit and HTTP body limit (above it: RESOURCE_EXHAUSTED, HTTP 413), "
@@ -165,6 +166,14 @@ class LimitsConfig(_Model):
         "and what had started is stopped",
         300.0,
     )
+
+    @property
+    def health_watches(self) -> int:
+        """Open Watch calls a replica allows: always fewer than its request slots, so
+        Watch calls (which need no token) never hold every slot."""
+        if self.max_health_watches is not None:
+            return self.max_health_watches
+        return min(4, self.max_ongoing_requests - 1)
 
     def time_limit(self, requested: float | None) -> float | None:
         """A request's `time_limit_s` under `request_timeout_s` (0 = no ceiling).
@@ -438,7 +447,13 @@ def validate(c: ServeConfig) -> None:
         f"must lie in [1024, {GRPC_MAX_MESSAGE_BYTES}] (gRPC's limit is a C int)",
     )
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1")
-    _check(lim.max_health_watches >= 0, "limits.max_health_watches", "must be >= 0")
+    _check(
+        lim.max_health_watches is None or 0 <= lim.max_health_watches < lim.max_ongoing_requests,
+        "limits.max_health_watches",
+        f"must be null or in [0, limits.max_ongoing_requests = {lim.max_ongoing_requests}) "
+        "(an open Watch holds a request slot and needs no token: Watch calls alone must not "
+        "hold every slot)",
+    )
     _check(lim.request_timeout_s >= 0, "limits.request_timeout_s", "must be >= 0 (0 = no limit)")
     _check(lim.start_timeout_s > 0, "limits.start_timeout_s", "must be > 0")
     b = c.batching

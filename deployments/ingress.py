@@ -506,7 +506,7 @@ class CactusIngress:
         gets SERVICE_UNKNOWN and the call stays open, as the health protocol says. When
         the server shuts down, the call says NOT_SERVING and ends (an open Watch would
         otherwise hold the replica's drain for its whole time)."""
-        cap = self.config.limits.max_health_watches
+        cap = self.config.limits.health_watches
         if self.engine.watches >= cap:
             # Watch needs no token (probes send none) and holds a request slot while
             # open: unbounded, anyone who reaches the port could take every slot

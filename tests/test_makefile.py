@@ -276,17 +276,21 @@ def test_make_stop_refuses_a_stop_timeout_that_is_not_whole_seconds(timeout):
     assert "no server running" not in out.stdout
 
 
-def test_make_generate_passes_the_prompt_as_written():
-    """`make generate PROMPT=...` with quotes, $ and backticks (code prompts have them):
-    the client gets the prompt unchanged (make expanded $x, the shell split on quotes and
-    ran backticks)."""
+@pytest.mark.parametrize("prompt", ['print("hi") $x `date` it\'s', "-x", "--json"])
+def test_make_generate_passes_the_prompt_as_written(prompt):
+    """`make generate PROMPT=...` with quotes, $ and backticks (code prompts have them),
+    or starting with "-": `cactus generate` gets the prompt unchanged (make expanded $x,
+    the shell split on quotes and ran backticks; argparse took "-x" for an option)."""
     import shlex
 
-    prompt = 'print("hi") $x `date` it\'s'
+    from client.cli import build_parser
+
     recipe = _dry_run("generate", f"PROMPT={prompt}")
     line = next(ln for ln in recipe.splitlines() if "client.cli generate" in ln)
     argv = shlex.split(line)
-    assert argv[argv.index("--prompt") + 1] == prompt, line
+    assert argv[argv.index("client.cli") + 1 :][:2] == ["generate", f"--prompt={prompt}"], line
+    args = build_parser().parse_args(argv[argv.index("client.cli") + 1 :])
+    assert args.prompt == prompt
 
 
 def test_serve_and_stop_take_the_configs_grpc_port_unless_port_is_given(tmp_path):

@@ -88,6 +88,11 @@ def test_cluster_example_is_multi_node():
         ({"limits": {"start_timeout_s": 0.0}}, "limits.start_timeout_s"),
         ({"limits": {"max_prompt_chars": 0}}, "limits.max_prompt_chars"),
         ({"limits": {"max_health_watches": -1}}, "limits.max_health_watches"),
+        # Watch calls need no token: as many as the request slots would hold every one
+        (
+            {"limits": {"max_health_watches": 4, "max_ongoing_requests": 4}},
+            "limits.max_health_watches",
+        ),
         ({"limits": {"max_queued_requests": -1}}, "limits.max_queued_requests"),  # unbounded
         ({"resources": {"draft": {"num_cpus": -0.5}}}, "resources.draft.num_cpus"),
         ({"resources": {"verifier_rank": {"num_gpus": -1.0}}}, "resources.verifier_rank.num_gpus"),
@@ -331,6 +336,22 @@ def test_the_readmes_cluster_steps_fit_the_cluster_example():
     for name in ("default", "cluster"):
         c = load_config(REPO / "configs" / f"{name}.yaml")
         assert c.models.device != "cuda" or c.batching.kv_budget_tokens is not None, name
+
+
+@pytest.mark.parametrize(
+    ("limits", "watches"),
+    [
+        ({}, 4),
+        ({"max_ongoing_requests": 2}, 1),
+        ({"max_ongoing_requests": 1}, 0),
+        ({"max_ongoing_requests": 8, "max_health_watches": 7}, 7),
+    ],
+)
+def test_health_watches_always_leave_a_request_slot(limits, watches):
+    """The Watch cap defaults to 4, or max_ongoing_requests - 1 where lower (an e2e
+    server with 2 request slots and 4 Watches let token-less Watch calls take both)."""
+    lim = from_dict({"limits": limits}).limits
+    assert lim.health_watches == watches < lim.max_ongoing_requests
 
 
 def test_the_defaults_give_every_ongoing_request_a_row():

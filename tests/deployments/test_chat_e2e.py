@@ -132,7 +132,8 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     usage (each choice streams every token once: its logprob entries sum to the usage's
     completion tokens, one finish chunk per choice) and a greedy gRPC stream of the
     same prompt as the first (the same uninterrupted text): mixed traffic over both
-    APIs through both kills. A unary
+    APIs through both kills. A unary gRPC call of the greedy prompt in flight at the rank
+    kill runs again and returns the uninterrupted text. A unary
     request sent right after the rank kill waits for the restart and is served."""
     import httpx2
 
@@ -194,6 +195,20 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
 
     grpc_chunks: list = []
     grpc_failure: list = []
+    unary: list = []  # README: a unary request runs again (the same seed) after a rank kill
+
+    def generate_grpc() -> None:
+        client = CactusClient(grpc_address, timeout=300)
+        try:
+            unary.append(
+                client.generate(
+                    prompt, max_tokens=max_tokens, temperature=0.0, rule="cactus", delta=1.0
+                )
+            )
+        except grpc.RpcError as err:
+            unary.append(err)
+        finally:
+            client.close()
 
     def consume_grpc() -> None:
         client = CactusClient(grpc_address, timeout=300)
@@ -232,8 +247,9 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     sampler = threading.Thread(target=consume, args=(seeded, sampled, []))
     chatter = threading.Thread(target=consume_chat)
     grpc_reader = threading.Thread(target=consume_grpc)
+    generator = threading.Thread(target=generate_grpc)
     with killer(ray_address) as kill:
-        for thread in (reader, sampler, chatter, grpc_reader):
+        for thread in (reader, sampler, chatter, grpc_reader, generator):
             thread.start()
         while not (events and sampled and len(chat_events) > 2 and grpc_chunks) and all(
             t.is_alive() for t in (reader, sampler, chatter, grpc_reader)
@@ -247,16 +263,21 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         # the sampled stream follows the goodput policy's timing-dependent k, so its
         # tokens (and where it may reach EOS) differ run to run
         sampling_at_kill = sampler.is_alive()
+        generating_at_kill = generator.is_alive()
         rank_killed = time.monotonic()
         kill("rank0")
         # a request that arrives while the ranks restart waits for them and is served
         late: list = []
         arrival = threading.Thread(target=lambda: late.append(_complete(base_url, "def g():")))
         arrival.start()
-        for thread in (reader, sampler, arrival, chatter, grpc_reader):
+        for thread in (reader, sampler, arrival, chatter, grpc_reader, generator):
             thread.join(timeout=300)
     assert not reader.is_alive() and not sampler.is_alive()
-    assert not chatter.is_alive() and not grpc_reader.is_alive()
+    assert not chatter.is_alive() and not grpc_reader.is_alive() and not generator.is_alive()
+    # the unary gRPC call in flight at the rank kill ran again: OK, the uninterrupted text
+    assert len(unary) == 1 and not isinstance(unary[0], grpc.RpcError), unary
+    assert unary[0].text == want.text and list(unary[0].token_ids) == list(want.token_ids)
+    assert unary[0].stats.resumed >= (1 if generating_at_kill else 0), unary[0].stats
     # the gRPC stream: OK, the uninterrupted greedy text, no token lost or repeated
     assert not grpc_failure, grpc_failure
     assert "".join(c.text for c in grpc_chunks) == want.text

@@ -76,6 +76,49 @@ def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
         pidfile(port).unlink(missing_ok=True)
 
 
+def test_a_replica_that_cannot_start_fails_the_deploy_with_exit_1(tmp_path):
+    """README: a deploy that fails (a replica's constructor raising) exits 1 with Serve's
+    message, rather than retrying for ever. The verifier folder exists (the launcher's
+    own check passes) but holds no model: every replica's engine start raises, Serve
+    gives up after its constructor retries (DEPLOY_FAILED), and the launcher says so,
+    with Serve's message naming the error, and exits 1 leaving no pid file."""
+    _, draft = embedded_dirs()
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    port, http_port = free_port(), free_port()
+    config = {
+        "models": {"verifier": str(empty), "draft": draft},
+        "tp_size": 1,
+        "grpc_port": port,
+        "http_port": http_port,
+        "limits": {"start_timeout_s": 60.0},
+    }
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=420)
+        assert proc.returncode == 1, out[-3000:]
+        assert "READY" not in out
+        assert "deploy failed:" in out, out[-3000:]
+        failed = out[out.index("deploy failed:") :]  # Serve's message, the error's lines
+        assert "failed to start" in failed and f"Unrecognized model in {empty}" in failed, failed
+        assert "DEPLOY_FAILED: the application 'cactus' did not start" in out, out[-3000:]
+        assert not pidfile(port).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pidfile(port).unlink(missing_ok=True)
+
+
 def test_lacking_names_what_the_whole_cluster_does_not_have():
     from deployments.serve import lacking
 

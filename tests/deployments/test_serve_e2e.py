@@ -114,9 +114,26 @@ def pace(role, seconds):
         a.loop.on_step = on_step
     ray.get(actor(role).__ray_call__.remote(arm), timeout=30)
 
+def poison(request_id):
+    # rank 0's verifier logits of every row whose request id holds `request_id` get a
+    # NaN (a float16 overflow, say), from the next step on
+    def arm(a, rid=request_id):
+        engine = a.loop.engine
+        real = engine.verifier.score
+        def score(rows):
+            logits = real(rows)
+            for i, (row_id, _) in enumerate(rows):
+                if rid in row_id:
+                    logits[i] = logits[i].clone()
+                    logits[i][-1, 5] = float("nan")
+            return logits
+        engine.verifier.score = score
+    ray.get(actor("rank0").__ray_call__.remote(arm), timeout=30)
+
 ASK = {
     "ping": lambda: "pong",
     "pace": pace,
+    "poison": poison,
     "counts": engine_cache_counts,
     "steps": lambda: ray.get(actor("rank0").timings.remote(), timeout=30)["steps"],
     "names": named,
@@ -518,13 +535,37 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_
         except grpc.RpcError as err:
             retried["error"] = err
 
+    def get_in_async():  # README: the asyncio client retries the same way
+        import asyncio
+
+        from client import AsyncCactusClient
+
+        async def call():
+            client = AsyncCactusClient(
+                server.address,
+                token=TOKEN,
+                timeout=120,
+                retry=RetryPolicy(max_attempts=40, max_backoff_s=1.0),
+            )
+            try:
+                return await client.generate("def h():", max_tokens=3), client.last_attempts
+            finally:
+                await client.close()
+
+        try:
+            retried["async"] = asyncio.run(call())
+        except grpc.RpcError as err:
+            retried["async_error"] = err
+
     knocker = threading.Thread(target=get_in)
+    async_knocker = threading.Thread(target=get_in_async)
     knocker.start()
-    time.sleep(1.5)  # its first attempts meet the full queue
+    async_knocker.start()
+    time.sleep(1.5)  # their first attempts meet the full queue
     for client in clients:  # the running, the queued and the refused (a no-op)
         if getattr(client, "last_call", None) is not None:
             client.last_call.cancel()
-    for t in [*threads, knocker]:
+    for t in [*threads, knocker, async_knocker]:
         t.join(timeout=120)
     replies = http_statuses()  # (status, its Retry-After header)
     statuses = [status for status, _ in replies]
@@ -540,6 +581,9 @@ def test_queue_overflow_is_resource_exhausted_and_service_recovers(server, long_
     assert len(retried["reply"].token_ids) == 3 and retrying.last_attempts >= 2, (
         retrying.last_attempts
     )
+    assert "async" in retried, retried
+    reply, attempts = retried["async"]
+    assert len(reply.token_ids) == 3 and attempts >= 2, attempts
     assert len(server.client().generate("def g():", max_tokens=3).token_ids) == 3
 
 
@@ -846,6 +890,67 @@ def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_p
     assert "chat template" in err.value.body["message"]
 
 
+def test_stop_strings_and_stop_ids_end_requests_alike_over_both_apis(
+    server, embedded_engine, heldout_prompts
+):
+    """README (Supported fields): `stop` and `stop_token_ids` on the real server. A stop
+    string taken from the greedy text's middle ends the request there over gRPC (unary
+    and streamed: STOP_SEQUENCE, the text before it, no chunk carrying any of it) and
+    over HTTP (unary and SSE: finish_reason "stop", the same text); a stop id ends it
+    after that token (STOP; the id kept in token_ids, its text left out)."""
+    import httpx2
+
+    prompt = heldout_prompts[2]  # as tests/workers/test_engine.py's stop test
+    base = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=48, temperature=0.0),
+            speculation=SpeculationParams(rule="none"),
+        )
+    )
+    text = base.text
+    stop = text[20:23]
+    want = text[: text.find(stop)]
+    assert len(stop) == 3 and want, text
+    kw = {"max_tokens": 48, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
+    client = server.client()
+    unary = client.generate(prompt, stop=[stop, "\x00never"], **kw)
+    assert (unary.finish_reason, unary.text) == ("STOP_SEQUENCE", want)
+    assert list(unary.token_ids) == list(base.token_ids[: len(unary.token_ids)])
+    chunks = list(client.stream(prompt, stop=[stop], **kw))
+    assert "".join(c.text for c in chunks) == want and chunks[-1].finish_reason == "STOP_SEQUENCE"
+    body = {"model": "verifier", "prompt": prompt, "max_tokens": 48, "temperature": 0.0}
+    body |= {"stop": stop, "rule": "cactus", "delta": 1.0}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    with httpx2.Client(timeout=120, headers=headers) as http:
+        reply = http.post(f"{server.base_url}/completions", json=body).json()
+        assert reply["choices"][0]["text"] == want, reply
+        assert reply["choices"][0]["finish_reason"] == "stop", reply
+        events = []
+        with http.stream(
+            "POST", f"{server.base_url}/completions", json={**body, "stream": True}
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: ") :]))
+    pieces = [c["text"] for e in events for c in e.get("choices") or ()]
+    assert "".join(pieces) == want and all(stop not in p for p in pieces), pieces
+    assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "stop"
+    # a stop id: the greedy text's 11th token, ended after its first occurrence
+    stop_id = base.token_ids[10]
+    first = list(base.token_ids).index(stop_id)
+    by_id = client.generate(prompt, stop_token_ids=[stop_id], **kw)
+    assert by_id.finish_reason == "STOP"
+    assert list(by_id.token_ids) == list(base.token_ids[: first + 1])
+    assert by_id.text == embedded_engine.tokenizer.decode(base.token_ids[:first])
+    with httpx2.Client(timeout=120, headers=headers) as http:
+        body = {**body, "stop_token_ids": [stop_id]}
+        del body["stop"]
+        reply = http.post(f"{server.base_url}/completions", json=body).json()
+    assert reply["choices"][0]["finish_reason"] == "stop", reply
+    assert reply["choices"][0]["text"] == by_id.text
+
+
 def test_reflection_lists_the_services_and_health_is_the_standard_one(server):
     """What `grpcurl -plaintext 127.0.0.1:PORT list` shows (Ray Serve's proxy serves
     reflection), and the grpcio-health-checking service's Check / List."""
@@ -873,11 +978,39 @@ def test_reflection_lists_the_services_and_health_is_the_standard_one(server):
         with pytest.raises(grpc.RpcError) as err:
             stub.Check(health_pb2.HealthCheckRequest(service="nope.v1.X"), metadata=auth)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+        # This server has 2 request slots, so it keeps 1 Watch open (limits.health_watches):
+        # each Watch below opens only once the one before it has closed, which shows a
+        # cancelled Watch frees its slot through Serve's proxy (a few tries while the
+        # cancel travels). Each is cancelled a moment after its first reply: Serve
+        # 2.60's proxy loses a cancel that lands while it is still writing a reply
+        # (README, "Cancellation"), which a loaded machine made happen here once.
+        def watch_once(service: str):  # (the open call, its first reply)
+            deadline = time.monotonic() + 15
+            while True:
+                watch = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=60)
+                try:
+                    first = next(watch)  # no token: probes send none
+                    time.sleep(0.5)
+                    return watch, first
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    assert "limits.max_health_watches" in exc.details()
+                    assert time.monotonic() < deadline, "a cancelled Watch kept its slot"
+                    time.sleep(0.2)
+
         for service, want in (("", "SERVING"), ("nope.v1.X", "SERVICE_UNKNOWN")):
-            watch = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=60)
-            first = next(watch)  # no token: probes send none
+            watch, first = watch_once(service)
             watch.cancel()
             assert health_pb2.HealthCheckResponse.ServingStatus.Name(first.status) == want
+        # the cap holds through the proxy: a second Watch beside an open one is refused
+        held, _ = watch_once("")
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held.cancel()
+        watch, _ = watch_once("")  # and the cancelled one frees its slot
+        watch.cancel()
         # the probe the README gives for a full replica: Serve's proxy answers it itself
         from ray.serve.generated import serve_pb2
 
@@ -1031,7 +1164,10 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
     assert chat_err is not None and "chat template" in str(chat_err)
 
 
-def test_an_http_client_that_goes_away_frees_its_request(server, long_prompt):
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_http_client_that_goes_away_frees_its_request(server, long_prompt, n):
+    """README: a client that leaves an SSE stream cancels it, every choice of it (n = 2:
+    two requests on the replica's two slots)."""
     import httpx2
 
     before = server.decode_steps()
@@ -1040,7 +1176,7 @@ def test_an_http_client_that_goes_away_frees_its_request(server, long_prompt):
         http.stream(
             "POST",
             f"{server.base_url}/completions",
-            json={"prompt": long_prompt, "stream": True, **CANCEL_KW},
+            json={"prompt": long_prompt, "stream": True, "n": n, **CANCEL_KW},
             headers={"Authorization": f"Bearer {TOKEN}"},
         ) as reply,
     ):
@@ -1085,6 +1221,49 @@ def killer(ray_address: str):
         yield lambda role: probe.ask("kill", role)
     finally:
         probe.close()
+
+
+def test_non_finite_logits_fail_one_request_and_its_neighbour_goes_on(
+    server, embedded_engine, heldout_prompts
+):
+    """README (Acceptance): non-finite verifier logits end that request with an error,
+    INTERNAL on the wire naming only its id, while the rest of its batch goes on. On
+    the real server (TP = 2), rank 0's logits of one request are poisoned with a NaN
+    while a greedy stream runs beside it: the stream ends OK with its uninterrupted
+    tokens, the poisoned call gets INTERNAL, and the server serves the next request."""
+    prompt = heldout_prompts[3]
+    want = embedded_engine.generate(
+        GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=120, temperature=0.0),
+            speculation=SpeculationParams(rule="none"),
+        )
+    )
+    server.probe.ask("poison", "poisoned-e2e")
+    client = server.client()
+    chunks: list = []
+    failure: list = []
+
+    def consume():
+        try:
+            chunks.extend(client.stream(prompt, max_tokens=120, temperature=0.0, rule="sps"))
+        except grpc.RpcError as err:
+            failure.append(err)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while not chunks and reader.is_alive():
+        time.sleep(0.02)
+    with pytest.raises(grpc.RpcError) as err:
+        server.client().generate(
+            heldout_prompts[4], max_tokens=40, request_id="poisoned-e2e", rule="cactus"
+        )
+    assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
+    assert err.value.details() == "internal error (request poisoned-e2e)", err.value.details()
+    reader.join(timeout=120)
+    assert not failure, failure
+    assert [t for c in chunks for t in c.token_ids] == list(want.token_ids)
+    assert client.generate("def f():", max_tokens=4).finish_reason == "LENGTH"
 
 
 def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
