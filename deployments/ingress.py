@@ -13,8 +13,9 @@ Duties, and nothing else:
 The engine is injected (the `workers.interfaces.ServingEngine` protocol: agenerate /
 astream / cancel / ahealthy / model_info), as Ray Serve LLM does, so the shim can be
 tested with a fake engine beside the real end-to-end tests. In a real replica it is an
-EngineGroup (draft actor + verifier ranks) started inside the replica's own
-placement-group bundles.
+EngineSupervisor (workers/supervisor.py) over an EngineGroup (draft actor + verifier
+ranks) started inside the replica's own placement-group bundles, wrapped in the drain
+(deployments/drain.py).
 """
 
 from __future__ import annotations

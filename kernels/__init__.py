@@ -1,5 +1,8 @@
-"""Pure tensor functions for the acceptance step (no Ray, gRPC, logging or host syncs
-in the hot path). See ../shared/spec/acceptance.md for the maths."""
+"""Pure tensor functions for the acceptance step (no Ray, gRPC or logging). Host syncs
+are few and named where they happen: the torch path's check for an empty residual
+(`rejection.py`, one flag per call) and the ragged entry point's read of which rows
+carry a divergence budget (`ragged.py`, only when a group's rule uses one). See
+../shared/spec/acceptance.md for the maths."""
 
 from kernels.metadata import AcceptMetadata, AcceptResult, RaggedMetadata
 from kernels.ragged import ragged_accept

@@ -209,9 +209,11 @@ class VerifierRank:
         scheduler=None,
         timeout_s: float = 30.0,
         draft_key: str | None = None,
+        lease_s: float = 120.0,
     ) -> None:
         """Rank 0: build the engine over the draft actor and the mirrored verifier; one
-        engine-loop thread steps the whole batch."""
+        engine-loop thread steps the whole batch. `lease_s`: the draft sessions' lease
+        (the group's, as the draft actor has it)."""
         from workers.engine import SpeculativeEngine
         from workers.engine_loop import EngineLoop
         from workers.grpc_drafter import GrpcDrafter
@@ -226,7 +228,11 @@ class VerifierRank:
             )
         self.mirror = MirroredRunner(self.runner, self.world_size)
         self.drafter = GrpcDrafter(
-            draft_address, vocab_size=self.runner.vocab_size, timeout_s=timeout_s, key=draft_key
+            draft_address,
+            vocab_size=self.runner.vocab_size,
+            timeout_s=timeout_s,
+            key=draft_key,
+            lease_s=lease_s,
         )
         self.engine = SpeculativeEngine(
             self.drafter,
@@ -253,6 +259,7 @@ class VerifierRank:
             vocab_size=self.runner.vocab_size,
             timeout_s=old.timeout_s,
             key=old.key,  # the group's, as the first drafter had it
+            lease_s=old.lease_s,
         )
         # The engine takes the new drafter on its loop's thread; if the call fails here
         # (it raised, or outlasted loop.call's wait), `gate` settles whether the engine

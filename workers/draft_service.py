@@ -45,9 +45,9 @@ from workers.wire import KEY_METADATA, MAX_MESSAGE_BYTES, fill_block, status_cod
 # (1.0 s against 0.06 s with this, tests/workers/test_grpc_drafter.py's slowed prefill).
 CHUNK_YIELD_S = 0.001
 
-# Reply bytes beyond its rows (draft_s), and per row beyond its own (tag and length).
 # A session's lease, whatever a caller asks: finite, so a session cannot be held for ever
 MIN_LEASE_S, MAX_LEASE_S = 1.0, 3600.0
+# Reply bytes beyond its rows (draft_s), and per row beyond its own (tag and length).
 _REPLY_SLACK = 16
 _ROW_OVERHEAD = 6
 
@@ -306,8 +306,8 @@ class DraftServicer(pb_grpc.SpeculationServicer):
 
     def _drop(self, request_id: str) -> None:
         """Free a session, or the row of an Open still prefilling (which then stops). The row
-        is released before the session goes, so a reader on another thread that sees no
-        session also sees no row."""
+        is released before the session goes, so a reader that sees no session also sees no
+        row (the tests poll both from another thread while the servicer runs)."""
         self.drafter.release(request_id)
         self.sessions.pop(request_id, None)
         self._opening.pop(request_id, None)

@@ -16,8 +16,9 @@ ragged entry point handles all of them in one call (vLLM's flattened drafts with
 counts).
 
 Randomness: a request with seed s drafts with torch.Generator(s) on the draft side and
-draws its acceptance uniforms from torch.Generator(s ^ VERIFY_SEED_SALT) here, K_i + 1
-per step, so a seeded request gives the same tokens whatever else is in its batch.
+draws its acceptance uniforms from torch.Generator(s ^ VERIFY_SEED_SALT) on rank 0
+(workers/request.py), K_i + 1 per step, so a seeded request gives the same tokens
+whatever else is in its batch.
 """
 
 from __future__ import annotations

@@ -266,6 +266,7 @@ class EngineGroup:
                 ),
                 timeout_s=c.rpc_timeout_s,
                 draft_key=self._draft_key,
+                lease_s=c.lease_s,
             ),
             "rank 0 did not connect to the draft actor",
         )

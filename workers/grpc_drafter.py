@@ -310,9 +310,10 @@ class GrpcDrafter:
 
     def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
         """Every row's block: the prefetched ones, then one ProposeBatch for the rest;
-        each row's block is checked on its own. A transport failure raises
-        WorkerUnavailableError (those rows go on without drafts); a row the draft side
-        refused gets its own error."""
+        each row's block is checked on its own. A transport failure gives each row sent
+        a WorkerUnavailableError in its slot (those rows go on without drafts), as a row
+        the draft side refused gets its own error; only a reply with the wrong number
+        of rows raises."""
         out: list = [None] * len(rows)
         if self._prefetch is not None:
             self._take_prefetched(rows, out)

@@ -69,6 +69,11 @@ class Verifier(Protocol):
     vocab_size: int
     max_context: int
 
+    @property
+    def max_reserve_tokens(self) -> int:
+        """The largest KV reservation one request may ever get (it may wait for it);
+        a request needing more is refused naming max_tokens."""
+
     def fits(self, reserve_tokens: int) -> bool:
         """Whether a request holding at most reserve_tokens would be admitted now."""
 
@@ -92,7 +97,8 @@ class Verifier(Protocol):
 
 class ServingEngine(Protocol):
     """The contract between the Serve ingress (deployments/ingress.py) and an engine:
-    an EngineGroup in a real replica, a fake in the shim's unit tests."""
+    an EngineSupervisor over an EngineGroup in a real replica, a fake in the shim's unit
+    tests."""
 
     def model_info(self) -> dict:
         """vocab_size, max_context, verifier path, tp_size."""

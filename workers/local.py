@@ -43,10 +43,6 @@ class LocalDrafter:
         self.max_context = runner.max_context
         self._reqs: dict[str, _Request] = {}
 
-    @property
-    def num_sessions(self) -> int:
-        return len(self._reqs)
-
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:

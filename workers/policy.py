@@ -108,7 +108,6 @@ class PolicyRow:
 class Plan:
     ks: list[int]
     expected_tokens: list[float]  # per row, E_i(k_i)
-    expected_time_s: float  # predicted decode step time (0 before the cost model)
     explored: bool = False
 
 
@@ -526,9 +525,9 @@ class SpeculationPolicy:
             for r, k in zip(rows, ks, strict=True)
         ]
         expected = [float(gains[i, k]) for i, k in enumerate(ks)]
-        lags = [r.lag for r in rows]
-        t = self.cost.predict(ks, lags, tokens=sum(expected)) if self.cost.steps else 0.0
-        return Plan(ks, expected, t, explored)
+        # (the step's predicted time is the engine's to ask, predict_time: it is known
+        # only once every row has its k, some planned a step ahead)
+        return Plan(ks, expected, explored)
 
     # ---- learning ------------------------------------------------------------------
 

@@ -3,8 +3,10 @@ engine actor dies, and no streamed token is lost.
 
 - Dead draft actor: running requests go on without drafts (the engine degrades them);
   a new draft actor starts in the same bundle and rank 0 re-opens the draft sessions
-  of its requests from their committed tokens, so they speculate again. Health stays
-  SERVING: a degraded request is a statistic (`draft_failures`), not an outage.
+  of its requests from their committed tokens, so they speculate again. The Cactus
+  service's health stays SERVING (a degraded request is a statistic, `draft_failures`,
+  not an outage); the server's (`""`) says NOT_SERVING until the new draft actor
+  drafts, and for good once its replacement is given up (deployments/ingress.py).
 - Dead verifier rank (rank 0 or a follower), or a broken tensor-parallel group: the
   ranks are torn down and started again in their bundle (gang restart). Health answers
   NOT_SERVING while that runs, at once (it reads a state, it never calls an actor).
@@ -274,8 +276,9 @@ class EngineSupervisor:
 
     async def ahealthy(self, timeout_s: float = 1.0) -> bool:
         """SERVING unless the ranks are being restarted (or could not be): never calls
-        an actor, so it answers at once. A dead draft actor leaves it True (requests go
-        on by plain decoding); `speculating` tells that case."""
+        an actor, so it answers at once (`timeout_s`, the ServingEngine protocol's, has
+        nothing to bound). A dead draft actor leaves it True (requests go on by plain
+        decoding); `speculating` tells that case."""
         self._ensure_started()
         return self.state == SERVING and not self.closed
 

@@ -919,6 +919,7 @@ def test_stop_strings_and_stop_ids_end_requests_alike_over_both_apis(
     assert list(unary.token_ids) == list(base.token_ids[: len(unary.token_ids)])
     chunks = list(client.stream(prompt, stop=[stop], **kw))
     assert "".join(c.text for c in chunks) == want and chunks[-1].finish_reason == "STOP_SEQUENCE"
+    assert all(stop not in c.text for c in chunks)
     body = {"model": "verifier", "prompt": prompt, "max_tokens": 48, "temperature": 0.0}
     body |= {"stop": stop, "rule": "cactus", "delta": 1.0}
     headers = {"authorization": f"Bearer {TOKEN}"}
@@ -1008,6 +1009,7 @@ def test_reflection_lists_the_services_and_health_is_the_standard_one(server):
         with pytest.raises(grpc.RpcError) as err:
             next(stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limits.max_health_watches" in err.value.details()  # not Serve's full queue
         held.cancel()
         watch, _ = watch_once("")  # and the cancelled one frees its slot
         watch.cancel()
@@ -1167,7 +1169,7 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
 @pytest.mark.parametrize("n", [1, 2])
 def test_an_http_client_that_goes_away_frees_its_request(server, long_prompt, n):
     """README: a client that leaves an SSE stream cancels it, every choice of it (n = 2:
-    two requests on the replica's two slots)."""
+    one Serve request, two engine requests; the freed caches cover both)."""
     import httpx2
 
     before = server.decode_steps()
@@ -1224,18 +1226,18 @@ def killer(ray_address: str):
 
 
 def test_non_finite_logits_fail_one_request_and_its_neighbour_goes_on(
-    server, embedded_engine, heldout_prompts
+    server, embedded_engine, heldout_prompts, long_prompt
 ):
     """README (Acceptance): non-finite verifier logits end that request with an error,
     INTERNAL on the wire naming only its id, while the rest of its batch goes on. On
     the real server (TP = 2), rank 0's logits of one request are poisoned with a NaN
     while a greedy stream runs beside it: the stream ends OK with its uninterrupted
     tokens, the poisoned call gets INTERNAL, and the server serves the next request."""
-    prompt = heldout_prompts[3]
+    prompt = long_prompt  # no EOS for 450 greedy tokens: it runs past the poisoned call
     want = embedded_engine.generate(
         GenerationRequest(
             prompt=prompt,
-            sampling=SamplingParams(max_tokens=120, temperature=0.0),
+            sampling=SamplingParams(max_tokens=300, temperature=0.0),
             speculation=SpeculationParams(rule="none"),
         )
     )
@@ -1246,7 +1248,7 @@ def test_non_finite_logits_fail_one_request_and_its_neighbour_goes_on(
 
     def consume():
         try:
-            chunks.extend(client.stream(prompt, max_tokens=120, temperature=0.0, rule="sps"))
+            chunks.extend(client.stream(prompt, max_tokens=300, temperature=0.0, rule="sps"))
         except grpc.RpcError as err:
             failure.append(err)
 
@@ -1258,6 +1260,7 @@ def test_non_finite_logits_fail_one_request_and_its_neighbour_goes_on(
         server.client().generate(
             heldout_prompts[4], max_tokens=40, request_id="poisoned-e2e", rule="cactus"
         )
+    assert reader.is_alive(), "the stream ended before the poisoned call: nothing beside it"
     assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
     assert err.value.details() == "internal error (request poisoned-e2e)", err.value.details()
     reader.join(timeout=120)
@@ -1478,16 +1481,21 @@ def test_every_documented_metric_is_scraped_with_plausible_values(server, long_p
             **{**CANCEL_KW, "rule": "cactus", "delta": 1.0},
         )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
-    deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
+    # Ray exports metrics every few seconds; the counts below compare requests that have
+    # ended, so the scrape waits until none runs (a stream whose cancel Serve's proxy
+    # lost runs on to its max_tokens: its first token counted, its end not yet)
+    deadline = time.monotonic() + 150
     while True:
         samples = _scrape(server)
         missing = [
             m for m in DOCUMENTED_METRICS if not any(s.startswith(f"ray_{m}") for s in samples)
         ]
-        if not missing or time.monotonic() > deadline:
+        running = sum(v for k, v in samples.items() if k.startswith("ray_cactus_running_requests"))
+        if (not missing and running == 0) or time.monotonic() > deadline:
             break
         time.sleep(2)
     assert not missing, (missing, sorted(samples))
+    assert running == 0, running
 
     def total(name: str) -> float:
         return sum(v for k, v in samples.items() if k in (f"ray_{name}", f"ray_{name}_total"))

@@ -385,9 +385,12 @@ def test_dead_draft_actor_degrades_every_running_request(
     the verifier's, and requests that join running ones are drafted in the same
     ProposeBatch as them (one round trip per step). Then streams in flight when the
     draft actor dies finish by plain decoding: greedy output equals the verifier's, no
-    token lost or repeated."""
+    token lost or repeated. The group's draft-session lease reaches both sides (rank 0
+    sent 120 s in every Open whatever the group said)."""
     verifier, draft = embedded_dirs()
-    group = EngineGroup(GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5)).start()
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5, lease_s=30.0)
+    ).start()
     try:
         warm = [
             _req(heldout_prompts[i], f"goodput{i}", temperature=0.0, max_tokens=48)
@@ -423,6 +426,18 @@ def test_dead_draft_actor_degrades_every_running_request(
         ]
         streams = [group.rank0.stream.options(num_returns="streaming").remote(r) for r in reqs]
         chunks = [[ray.get(next(s))] for s in streams]  # every request is running
+        deadline = time.monotonic() + 5
+        while True:  # the sessions' leases on the draft side, once an Open has answered
+            leases = ray.get(
+                group.draft.__ray_call__.remote(
+                    lambda a: sorted({s.lease_s for s in a.servicer.sessions.values()})
+                )
+            )
+            if leases or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert leases == [30.0], leases
+        assert ray.get(group.rank0.__ray_call__.remote(lambda a: a.drafter.lease_s)) == 30.0
         ray.kill(group.draft)
         for got, stream in zip(chunks, streams, strict=True):
             got.extend(ray.get(ref) for ref in stream)

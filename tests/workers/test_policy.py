@@ -557,7 +557,7 @@ def test_varying_k_leaves_the_draft_state_right():
     def plan(rows):
         ks = [r.fixed if r.fixed is not None else rng.randint(0, r.ceiling) for r in rows]
         used.update(ks)
-        return Plan(ks, [1.0] * len(ks), 0.0)
+        return Plan(ks, [1.0] * len(ks))
 
     seen = []  # (committed context, the block's first draft distribution)
     propose = engine.drafter.propose
