@@ -164,10 +164,17 @@ class _Drafter:
     made: ClassVar[list[_Drafter]] = []
 
     def __init__(
-        self, address: str, *, vocab_size: int = 8, timeout_s: float = 5.0, key=None
+        self,
+        address: str,
+        *,
+        vocab_size: int = 8,
+        timeout_s: float = 5.0,
+        key=None,
+        lease_s: float = 120.0,
     ) -> None:
         self.address, self.timeout_s, self.closed = address, timeout_s, False
         self.key = key  # the draft service's (the group's): a new drafter keeps it
+        self.lease_s = lease_s  # the group's draft-session lease: kept too
         _Drafter.made.append(self)
 
     def close(self) -> None:
@@ -213,7 +220,7 @@ def fake_grpc_drafter(monkeypatch):
 def _attaching(mode: str, fail_after_switch: bool = False):
     rank = _rank0()
     rank.runner = types.SimpleNamespace(vocab_size=8)
-    old = rank.drafter = _Drafter("old:1", key="group-key")
+    old = rank.drafter = _Drafter("old:1", key="group-key", lease_s=30.0)
     rank.engine = _Engine(old, fail_after_switch)
     rank.loop = _Loop(rank.engine, mode)
     return rank, old
@@ -225,6 +232,7 @@ def test_attach_draft_switches_only_once_the_engine_did(fake_grpc_drafter):
     assert rank.drafter is rank.engine.drafter and rank.drafter.address == "new:2"
     assert old.closed and not rank.drafter.closed and rank.drafter.timeout_s == 5.0
     assert rank.drafter.key == "group-key"  # the new draft actor checks the group's key
+    assert rank.drafter.lease_s == 30.0  # and its sessions get the group's lease
 
     # the engine loop refused the call: the old drafter stays, the new one is closed
     rank, old = _attaching("stopped")
