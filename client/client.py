@@ -5,8 +5,9 @@ Both retry UNAVAILABLE (an engine restarting, a replica starting) and
 RESOURCE_EXHAUSTED (a full queue) with bounded exponential backoff and full jitter,
 within the call's deadline, and only before the first response: a stream that has
 delivered a token is never retried (the server resumes streams itself; a client retry
-would repeat tokens). Everything else is raised at once. A retry starts only with at least
-MIN_RETRY_LEFT_S of the deadline left, so a call that runs out raises the error it had.
+would repeat tokens). Everything else is raised at once. A pause longer than the deadline
+leaves is shortened, and a retry starts only with at least MIN_RETRY_LEFT_S of the
+deadline left, so a call that runs out raises the error it had.
 
 A value a request cannot hold (a wrong type, a negative count, a NaN) and a bad
 `timeout` are a ValueError that starts with the field's name, raised before any call
@@ -16,6 +17,7 @@ A value a request cannot hold (a wrong type, a negative count, a NaN) and a bad
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import numbers
 import random
@@ -232,8 +234,13 @@ class _Attempts:
             return None
         if _too_large(err):  # RESOURCE_EXHAUSTED that a retry cannot cure
             return None
-        pause = self.policy.backoff(self.made - 1, self.rng)
-        return pause if time.monotonic() + pause + MIN_RETRY_LEFT_S <= self.deadline else None
+        # full jitter, then shortened to end 2 x MIN_RETRY_LEFT_S before the deadline (a
+        # long draw no longer ends the call with its deadline and attempts to spare; the
+        # margin keeps a sleep's overrun from costing the attempt it waited for)
+        room = self.deadline - time.monotonic() - 2 * MIN_RETRY_LEFT_S
+        if room < 0:
+            return None
+        return min(self.policy.backoff(self.made - 1, self.rng), room)
 
     def time_for_another(self) -> bool:
         """Whether enough of the deadline is left to start the next attempt, checked
@@ -252,6 +259,13 @@ def _cancelled_error() -> grpc.RpcError:
     )
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class StreamCall:
     """`last_call`: the client's latest stream across its attempts (each retry is a new
     gRPC call). `cancel()` cancels the attempt running now and every later one: a
@@ -264,15 +278,22 @@ class StreamCall:
         self.cancel_requested = False
         self.finished = False  # the stream ended with its last chunk
         self._wake = threading.Event()  # ends a pause before a retry
+        self._loop: asyncio.AbstractEventLoop | None = None  # an asyncio call's loop
 
     def cancel(self) -> bool:
-        """Cancel the stream; False if it had already ended with its last chunk."""
+        """Cancel the stream; False if it had already ended with its last chunk. Safe
+        from any thread: a grpc.aio call is cancelled on its own event loop."""
         if self.finished:
             return False
         self.cancel_requested = True
         self._wake.set()
-        if self.call is not None:
-            self.call.cancel()
+        call, loop = self.call, self._loop
+        if call is not None:
+            if loop is None or _running_loop() is loop:
+                call.cancel()
+            else:  # grpc.aio's cancel touches asyncio tasks: not from another thread
+                with contextlib.suppress(RuntimeError):  # that loop is closed: nothing runs
+                    loop.call_soon_threadsafe(call.cancel)
         return True
 
     def cancelled(self) -> bool:
@@ -290,6 +311,8 @@ class StreamCall:
 
     def attempt(self, call):
         """The next attempt's call (cancelled at once if the stream was)."""
+        if isinstance(call, grpc.aio.Call):
+            self._loop = asyncio.get_running_loop()
         self.call = call
         if self.cancel_requested:
             call.cancel()

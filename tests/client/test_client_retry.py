@@ -293,10 +293,92 @@ def test_retries_stop_at_the_calls_deadline(flaky, monkeypatch):
         elapsed = time.monotonic() - start
         assert code == grpc.StatusCode.UNAVAILABLE, name
         # it retried (the first pause is at most 0.05 s) and gave up at the deadline: a
-        # retry is dropped only when its pause (<= 0.2 s) would leave less than
-        # MIN_RETRY_LEFT_S (0.4 s here) of it
+        # pause is shortened to leave MIN_RETRY_LEFT_S (0.4 s here) for the last attempt,
+        # and none starts with less
         assert 2 <= servicer.calls < 200 and 2 <= attempts < 200, (name, servicer.calls)
         assert timeout - 0.8 < elapsed < timeout + 3.5, (name, elapsed)
+
+
+def test_a_long_jitter_draw_is_shortened_to_the_deadline(flaky, monkeypatch):
+    """A backoff drawn longer than the deadline leaves (full jitter up to a 5 s cap, 2 s
+    left) is shortened to end 2 x MIN_RETRY_LEFT_S before the deadline, and the attempt
+    after it succeeds:
+    the old client gave up at once, UNAVAILABLE with most of its deadline and attempts
+    unused (about 40% of the default policy's 4th pauses with 1 s left did so). Both
+    clients, unary and streaming."""
+    monkeypatch.setattr(RetryPolicy, "backoff", lambda self, retry, rng: 5.0)
+    servicer, address = flaky
+    patient = RetryPolicy(max_attempts=3, initial_backoff_s=5.0, max_backoff_s=5.0)
+    client = CactusClient(address, retry=patient, timeout=2.0)
+
+    def timed(call):
+        servicer.failures, servicer.calls = 1, 0
+        start = time.monotonic()
+        out = call()
+        return out, servicer.calls, time.monotonic() - start
+
+    results = [
+        timed(lambda: client.generate("x").text),
+        timed(lambda: [c.text for c in client.stream("x")]),
+    ]
+    client.close()
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=patient, timeout=2.0)
+        try:
+            return [
+                await _atimed(servicer, lambda: aclient.generate("x"), lambda r: r.text),
+                await _atimed(
+                    servicer, lambda: _alist(aclient.stream("x")), lambda r: [c.text for c in r]
+                ),
+            ]
+        finally:
+            await aclient.close()
+
+    results += asyncio.run(run())
+    assert [r[0] for r in results] == ["ok", ["a", "b"], "ok", ["a", "b"]], results
+    for _, calls, elapsed in results:
+        assert calls == 2, results  # retried once, after a pause cut to fit
+        assert 1.0 < elapsed < 2.0, results  # the pause was about 1.8 s, not 5 s
+
+
+async def _alist(stream):
+    return [chunk async for chunk in stream]
+
+
+async def _atimed(servicer, call, shape):
+    servicer.failures, servicer.calls = 1, 0
+    start = time.monotonic()
+    out = shape(await call())
+    return out, servicer.calls, time.monotonic() - start
+
+
+def test_the_asyncio_clients_stream_is_cancelled_from_another_thread(flaky):
+    """README: `last_call.cancel()` from any thread; grpc.aio's own cancel is not
+    thread-safe (it cancels asyncio tasks of the client's loop), so the client hands it
+    to that loop: the stream, mid-way (the server pauses 2 s between its chunks), ends
+    with RpcError CANCELLED well before the next chunk would have come."""
+    servicer, address = flaky
+    servicer.pause_s = 2.0
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        stream = aclient.stream("x")
+        first = (await anext(stream)).text
+        await asyncio.to_thread(aclient.last_call.cancel)
+        start = time.monotonic()
+        try:
+            await anext(stream)
+            code = "a chunk"
+        except grpc.RpcError as err:
+            code = err.code()
+        took = time.monotonic() - start
+        await aclient.close()
+        return first, code, took
+
+    first, code, took = asyncio.run(run())
+    assert (first, code) == ("a", grpc.StatusCode.CANCELLED)
+    assert took < 1.0, took
 
 
 def test_no_retry_makes_one_attempt_in_the_asyncio_client(flaky):
