@@ -210,10 +210,13 @@ class VerifierRank:
         timeout_s: float = 30.0,
         draft_key: str | None = None,
         lease_s: float = 120.0,
+        draft_alive: bool = True,
     ) -> None:
         """Rank 0: build the engine over the draft actor and the mirrored verifier; one
         engine-loop thread steps the whole batch. `lease_s`: the draft sessions' lease
-        (the group's, as the draft actor has it)."""
+        (the group's, as the draft actor has it). `draft_alive` False (a gang restart
+        while the draft actor is gone): its Status is not waited for; requests decode
+        without drafts until a new one is attached."""
         from workers.engine import SpeculativeEngine
         from workers.engine_loop import EngineLoop
         from workers.grpc_drafter import GrpcDrafter
@@ -233,6 +236,7 @@ class VerifierRank:
             timeout_s=timeout_s,
             key=draft_key,
             lease_s=lease_s,
+            check=draft_alive,
         )
         self.engine = SpeculativeEngine(
             self.drafter,

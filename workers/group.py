@@ -216,7 +216,9 @@ class EngineGroup:
         self.placement["draft"] = status["node_id"]
         self._processes["draft"] = [(status["node_id"], status["process"])]
 
-    def _start_ranks(self) -> None:
+    def _start_ranks(self, draft_alive: bool = True) -> None:
+        """`draft_alive` False: rank 0 does not wait for the draft actor's Status (it
+        is gone; the supervisor attaches its replacement)."""
         from workers.actors import VerifierRank
 
         c = self.config
@@ -267,6 +269,7 @@ class EngineGroup:
                 timeout_s=c.rpc_timeout_s,
                 draft_key=self._draft_key,
                 lease_s=c.lease_s,
+                draft_alive=draft_alive,
             ),
             "rank 0 did not connect to the draft actor",
         )
@@ -346,9 +349,12 @@ class EngineGroup:
         self._remove_shm()
         self.ranks, self.followers = [], []
         self.rank_generation += 1
-        with contextlib.suppress(Exception):
-            ray.get(self.draft.reset.remote(), timeout=self.config.rpc_timeout_s)
-        self._start_ranks()
+        draft_alive = False  # none (a failed replacement), or it does not answer
+        if self.draft is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.draft.reset.remote(), timeout=self.config.rpc_timeout_s)
+                draft_alive = True
+        self._start_ranks(draft_alive=draft_alive)
 
     @property
     def rank0(self):

@@ -100,10 +100,13 @@ class GrpcDrafter:
         lease_s: float = 120.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         key: str | None = None,
+        check: bool = True,
     ) -> None:
         """max_message_bytes: gRPC's largest by default; the draft side keeps each reply
         under its own limit (a block that does not fit fails alone), so a batch never
-        fails whole for its size."""
+        fails whole for its size. `check`: ask the draft actor's Status first (its
+        vocabulary and context; up to 10 s for one that is not up yet); off for an
+        actor known to be gone, whose replacement is attached later."""
         self.address = address
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
@@ -132,7 +135,7 @@ class GrpcDrafter:
         self.pipeline = True  # send the next step's ProposeBatch at the end of a step
         # (rows, future, sent_at, answered_at): a batch on its way
         self._prefetch: tuple | None = None
-        status = self._draft_status()
+        status = self._draft_status() if check else None
         if status is not None and status.vocab_size and status.vocab_size != vocab_size:
             self.close()
             raise ValueError(

@@ -20,7 +20,9 @@ engine actor dies, and no streamed token is lost.
   cancelled request (a drain's cut included) is never started again.
 - A draft actor that cannot be replaced in `restart_attempts` tries in a row is given
   up on (each try starts a process and loads the draft model): requests go on without
-  drafts for the rest of the replica's life, and `speculating` stays False.
+  drafts for the rest of the replica's life, and `speculating` stays False. A try needs
+  a live rank 0 (it attaches the new actor): none is made while the ranks are being
+  restarted, and one that failed because they died is not counted.
 - Once stopped (`shutdown`, or its group shut down), the supervisor restarts and
   replaces nothing, and requests waiting for a restart end UNAVAILABLE.
 
@@ -176,13 +178,22 @@ class EngineSupervisor:
         return ranks_ok, draft is not None and results[-1]
 
     async def _replace_draft(self) -> None:
+        """Replace the draft actor, `restart_attempts` failed tries in a row at most. A
+        try needs a live rank 0 (it attaches the new actor): while the ranks are being
+        restarted it waits for them, and a try that failed because a rank died under it
+        is not counted (that death starts a gang restart, then the try is made again)."""
         self.degraded_since = time.monotonic()
         self.counters["draft_restarts"] += 1
         self._changed()
+        failures = 0
         try:
-            for attempt in range(self.config.restart_attempts):
-                if self.closed:
+            while failures < self.config.restart_attempts:
+                if self.closed or self.state == FAILED:  # FAILED: Serve replaces the replica
                     return
+                if self.state != SERVING:
+                    await self._ready.wait()
+                    continue
+                generation = self.generation
                 try:
                     await asyncio.to_thread(self.group.replace_draft)
                     self.draft_ok = True
@@ -191,8 +202,17 @@ class EngineSupervisor:
                     )
                     return
                 except Exception:
-                    logger.exception("replacing the draft actor failed (attempt %d)", attempt + 1)
-                    await asyncio.sleep(min(8.0, 0.5 * 2**attempt))
+                    if self.closed:
+                        return
+                    if await self._ranks_failed(generation):
+                        logger.warning(
+                            "replacing the draft actor failed as the verifier ranks failed: "
+                            "it is tried again once they are restarted"
+                        )
+                        continue
+                    failures += 1
+                    logger.exception("replacing the draft actor failed (attempt %d)", failures)
+                    await asyncio.sleep(min(8.0, 0.5 * 2 ** (failures - 1)))
             if not self.closed:
                 # each try starts an actor process and loads the draft model: no endless
                 # round of them; requests decode without drafts (the degraded mode)
@@ -205,6 +225,17 @@ class EngineSupervisor:
         finally:
             self.degraded_since = None
             self._replacing_draft = None
+
+    async def _ranks_failed(self, generation: int) -> bool:
+        """After a failed draft replacement: did the ranks of `generation` fail (a gang
+        restart began or ran meanwhile, or a rank does not answer now: one is started)?"""
+        if self.generation != generation or self.state != SERVING:
+            return True
+        ranks_ok, _ = await self._probe()
+        if ranks_ok:
+            return False
+        self.engine_failed(generation, "a verifier rank does not answer")
+        return True
 
     def engine_failed(self, generation: int, why: str) -> None:
         """Start a gang restart, once per engine generation."""
@@ -247,17 +278,23 @@ class EngineSupervisor:
         before or during the wait (a drain's cut) ends at once, RequestCancelledError."""
         self._ensure_started()
         cancelled = self._cancelled.get(request_id)
-        if self.state == RECOVERING and not self.closed:
-            limit = self.config.recovery_timeout_s
-            if deadline is not None:
-                limit = min(limit, deadline - time.monotonic())
+        limit = self.config.recovery_timeout_s
+        if deadline is not None:
+            limit = min(limit, deadline - time.monotonic())
+        until = time.monotonic() + max(0.0, limit)
+        # a loop: a restart that succeeded may fail again before this request runs (the
+        # new engine died at once), and the request then waits for the next one
+        while self.state == RECOVERING and not self.closed:
+            if cancelled is not None and cancelled.is_set():
+                break
+            left = until - time.monotonic()
+            if left <= 0:
+                break
             waits = [asyncio.ensure_future(self._ready.wait())]
             if cancelled is not None:
                 waits.append(asyncio.ensure_future(cancelled.wait()))
             try:
-                await asyncio.wait(
-                    waits, timeout=max(0.0, limit), return_when=asyncio.FIRST_COMPLETED
-                )
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for wait in waits:
                     wait.cancel()

@@ -1644,6 +1644,21 @@ def test_stopping_the_server_drains_its_running_streams(server):
         except grpc.RpcError as err:
             late = err
     refused_in = time.monotonic() - started
+    # over HTTP too: Serve's HTTP proxy answers at once with its own 404 (the route is
+    # gone with the application), not a hang and not a 500
+    import httpx2
+
+    started = time.monotonic()
+    with httpx2.Client(timeout=10) as http:
+        while True:  # as above: served while this proxy still routes to the application
+            reply = http.post(
+                f"{server.base_url}/completions",
+                json={"model": "verifier", "prompt": "def f():", "max_tokens": 4},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            if reply.status_code != 200 or time.monotonic() - started > 10:
+                break
+            time.sleep(0.1)
     reader.join(timeout=120)
     assert not failure, failure
     assert chunks[-1].finish_reason == "LENGTH", chunks[-1]
@@ -1651,4 +1666,5 @@ def test_stopping_the_server_drains_its_running_streams(server):
     # the application is going away: Serve's proxy says so at once (README)
     assert late is not None and late.code() == grpc.StatusCode.NOT_FOUND, late
     assert refused_in < 10, refused_in
+    assert reply.status_code == 404, (reply.status_code, reply.text)
     assert server.proc.wait(timeout=120) == 0

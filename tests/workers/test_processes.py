@@ -104,7 +104,7 @@ def test_a_gang_restart_removes_the_killed_ranks_shm_buffers_and_only_theirs(
     group = EngineGroup(GroupConfig("verifier", "draft", tp_size=2, shm_allreduce=True))
     group._shm = (29500, [node, node])
     monkeypatch.setattr(group, "_end", lambda actors, where: None)
-    monkeypatch.setattr(group, "_start_ranks", lambda: None)
+    monkeypatch.setattr(group, "_start_ranks", lambda **_: None)
     group._restart_ranks()
     assert not any(p.exists() for p in ours) and all(p.exists() for p in theirs)
     assert group._shm is None  # the new ranks' buffers are the new start's to record

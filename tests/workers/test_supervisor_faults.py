@@ -273,6 +273,120 @@ def test_a_draft_that_answers_after_the_give_up_does_not_make_the_server_serving
     assert sup.state == "SERVING"
 
 
+class _RankDiesDuringTheReplacement(FlakyGroup):
+    """The draft actor is dead; the first replacement's attach finds rank 0 dead too
+    (its ping fails from then on, until a gang restart), the next one works. `events`
+    records the order of replacements and restarts."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=0, restart_s=0.3)
+        self.draft = SimpleNamespace(status=_Answer(fail=True))
+        self.ranks = [SimpleNamespace(ping=_Answer())]
+        self.events: list[str] = []
+
+    def replace_draft(self) -> None:
+        if self.ranks[0].ping.fail:  # a try while the ranks are down: never made
+            self.events.append("replace-while-down")
+            raise RuntimeError("rank 0 died")
+        if "restart" not in self.events:
+            self.events.append("replace-failed")
+            self.ranks = [SimpleNamespace(ping=_Answer(fail=True))]  # rank 0 died
+            raise RuntimeError("rank 0 did not attach the new draft actor")
+        self.events.append("replaced")
+        self.draft = SimpleNamespace(status=_Answer())
+
+    def restart_ranks(self) -> None:
+        super().restart_ranks()
+        self.events.append("restart")
+        self.ranks = [SimpleNamespace(ping=_Answer())]
+
+
+def test_a_rank_death_during_a_draft_replacement_does_not_use_up_its_tries():
+    """A draft replacement attaches the new actor to rank 0; when rank 0 dies under
+    it, that try is not the draft's failure: it is not counted, the ranks are
+    restarted, and the replacement is tried again after (never while they are down).
+    The old code counted it: with restart_attempts 1 it gave the draft actor up for
+    good, although both could run."""
+
+    async def run():
+        group = _RankDiesDuringTheReplacement()
+        sup = EngineSupervisor(group, _config(restart_attempts=1))
+        assert (await sup.agenerate(_req("r"))).text == "ok"  # starts the monitor
+        deadline = time.monotonic() + 20
+        while "replaced" not in group.events and not sup.draft_given_up:
+            assert time.monotonic() < deadline, group.events
+            await asyncio.sleep(0.05)
+        while sup._replacing_draft is not None:
+            await asyncio.sleep(0.01)
+        return group, sup
+
+    group, sup = asyncio.run(run())
+    assert group.events == ["replace-failed", "restart", "replaced"], group.events
+    assert not sup.draft_given_up and sup.draft_ok and sup.speculating()
+    assert sup.counters["rank_restarts"] == 1 and sup.state == "SERVING"
+
+
+def test_a_request_waits_through_a_second_restart():
+    """A restart that succeeds, then fails again before a waiting request runs (the
+    new engine died at once): the request waits for the next restart within its
+    deadline; the old code ended it UNAVAILABLE at the first wake-up."""
+
+    async def run():
+        group = FlakyGroup(fail=0, restart_s=0.2)
+        sup = EngineSupervisor(group, _config())
+        failed_again = []
+
+        def fail_again() -> None:  # runs right after the first restart's wake-up
+            if sup.state == "SERVING" and group.restarts == 1 and not failed_again:
+                failed_again.append(sup.generation)
+                sup.engine_failed(sup.generation, "the new engine died at once")
+
+        sup.listeners.append(fail_again)
+        sup._ensure_started()
+        sup.engine_failed(0, "rank 0 died")
+        result = await sup.agenerate(_req("w"))
+        return group, sup, result, failed_again
+
+    group, sup, result, failed_again = asyncio.run(run())
+    assert failed_again == [1] and group.restarts == 2
+    assert result.text == "ok" and sup.state == "SERVING"
+    assert [r.request_id for r in group.seen] == ["w"]  # run once, on generation 2
+
+
+def test_a_gang_restart_without_a_live_draft_does_not_wait_for_it(fake_ray):
+    """EngineGroup: a gang restart while the draft actor is gone (a replacement that
+    failed left none) or does not answer tells rank 0 so: the old code had rank 0's
+    draft client wait up to 10 s for the dead actor's Status in every such restart."""
+    from workers.group import EngineGroup, GroupConfig
+
+    class _Dead:
+        class reset:  # Ray's spelling: the call fails as a dead actor's does
+            @staticmethod
+            def remote():
+                raise RuntimeError("actor died")
+
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    seen = []
+    group._start_ranks = lambda draft_alive=True: seen.append(draft_alive)
+    for draft in (None, _Dead(), _Actor("draft", [])):
+        group.draft = draft
+        group.restart_ranks()
+    assert seen == [False, False, True]
+
+
+def test_the_draft_client_can_skip_the_status_of_a_dead_actor(monkeypatch):
+    """GrpcDrafter(check=False), what rank 0 builds in a restart without a live draft
+    actor: no Status call (the one that waits for the actor to come up)."""
+    from workers.grpc_drafter import GrpcDrafter
+
+    calls = []
+    monkeypatch.setattr(GrpcDrafter, "_draft_status", lambda self: calls.append(1))
+    GrpcDrafter("127.0.0.1:1", vocab_size=8, check=False).close()
+    assert calls == []
+    GrpcDrafter("127.0.0.1:1", vocab_size=8).close()
+    assert calls == [1]
+
+
 def test_a_draft_replacement_that_fails_ends_the_new_actor(fake_ray):
     """EngineGroup: a new draft actor that rank 0 could not attach is killed and
     forgotten (group.draft None), so it neither holds the bundle nor answers probes."""
@@ -332,7 +446,7 @@ def test_group_shutdown_waits_for_a_restart_and_refuses_later_ones(fake_ray):
     in_start, release = threading.Event(), threading.Event()
     starts = []
 
-    def start_ranks() -> None:  # the slow part of a gang restart (model loads)
+    def start_ranks(draft_alive: bool = True) -> None:  # the slow part of a restart
         starts.append(1)
         in_start.set()
         release.wait(5.0)
