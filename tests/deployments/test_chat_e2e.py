@@ -133,7 +133,8 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     completion tokens, one finish chunk per choice) and a greedy gRPC stream of the
     same prompt as the first (the same uninterrupted text): mixed traffic over both
     APIs through both kills. A unary gRPC call of the greedy prompt in flight at the rank
-    kill runs again and returns the uninterrupted text. A unary
+    kill runs again and returns the uninterrupted text, and so does a unary HTTP
+    completion. A unary
     request sent right after the rank kill waits for the restart and is served."""
     import httpx2
 
@@ -193,6 +194,18 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chat_events.append(json.loads(line[len("data: ") :]))
 
+    http_unary: list = []  # the same over HTTP: a whole completion in flight at the kill
+
+    def complete_http() -> None:
+        with httpx2.Client(timeout=300) as http:
+            http_unary.append(
+                http.post(
+                    f"{base_url}/completions",
+                    json={"model": "verifier", "prompt": prompt, "max_tokens": max_tokens}
+                    | {"temperature": 0.0, "rule": "cactus", "delta": 1.0},
+                )
+            )
+
     grpc_chunks: list = []
     grpc_failure: list = []
     unary: list = []  # README: a unary request runs again (the same seed) after a rank kill
@@ -248,8 +261,9 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     chatter = threading.Thread(target=consume_chat)
     grpc_reader = threading.Thread(target=consume_grpc)
     generator = threading.Thread(target=generate_grpc)
+    http_generator = threading.Thread(target=complete_http)
     with killer(ray_address) as kill:
-        for thread in (reader, sampler, chatter, grpc_reader, generator):
+        for thread in (reader, sampler, chatter, grpc_reader, generator, http_generator):
             thread.start()
         while not (events and sampled and len(chat_events) > 2 and grpc_chunks) and all(
             t.is_alive() for t in (reader, sampler, chatter, grpc_reader)
@@ -265,16 +279,24 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         sampling_at_kill = sampler.is_alive()
         generating_at_kill = generator.is_alive()
         streaming_at_kill = grpc_reader.is_alive()
+        completing_at_kill = http_generator.is_alive()
         rank_killed = time.monotonic()
         kill("rank0")
         # a request that arrives while the ranks restart waits for them and is served
         late: list = []
         arrival = threading.Thread(target=lambda: late.append(_complete(base_url, "def g():")))
         arrival.start()
-        for thread in (reader, sampler, arrival, chatter, grpc_reader, generator):
+        for thread in (reader, sampler, arrival, chatter, grpc_reader, generator, http_generator):
             thread.join(timeout=300)
     assert not reader.is_alive() and not sampler.is_alive()
     assert not chatter.is_alive() and not grpc_reader.is_alive() and not generator.is_alive()
+    assert not http_generator.is_alive()
+    # the unary HTTP call in flight at the rank kill ran again: 200, the uninterrupted text
+    assert len(http_unary) == 1 and http_unary[0].status_code == 200, http_unary
+    whole = http_unary[0].json()
+    assert whole["choices"][0]["text"] == want.text, whole
+    assert completing_at_kill, "the HTTP unary call ended before the rank kill: nothing tested"
+    assert whole["cactus"]["resumed"] >= 1, whole["cactus"]
     # the unary gRPC call in flight at the rank kill ran again: OK, the uninterrupted text
     assert len(unary) == 1 and not isinstance(unary[0], grpc.RpcError), unary
     assert unary[0].text == want.text and list(unary[0].token_ids) == list(want.token_ids)
