@@ -32,6 +32,8 @@ class Flaky(pb_grpc.CactusServicer):
         self.pause_s = 0.0  # between a stream's two chunks
         self.first_pause_s = 0.0  # before its first
         self.limits: list[float] = []  # each call's time_limit_s, as received
+        self.remaining: list[float] = []  # each call's gRPC deadline, seconds left at arrival
+        self.fail_after_s = 0.0  # a failing call answers after this long
         self.lock = threading.Lock()
 
     def _maybe_fail(self, context, request=None) -> None:
@@ -39,8 +41,10 @@ class Flaky(pb_grpc.CactusServicer):
             self.calls += 1
             if request is not None:
                 self.limits.append(request.time_limit_s)
+            self.remaining.append(context.time_remaining())
             failing = self.calls <= self.failures
         if failing:
+            time.sleep(self.fail_after_s)
             context.abort(self.code, "try again")
 
     def Generate(self, request, context):
@@ -297,6 +301,41 @@ def test_retries_stop_at_the_calls_deadline(flaky, monkeypatch):
         # and none starts with less
         assert 2 <= servicer.calls < 200 and 2 <= attempts < 200, (name, servicer.calls)
         assert timeout - 0.8 < elapsed < timeout + 3.5, (name, elapsed)
+
+
+def test_each_attempts_grpc_deadline_is_what_is_left_of_the_calls(flaky):
+    """README: the retries stay inside the call's deadline: each attempt's gRPC deadline
+    is what the earlier attempts left, not the whole timeout again. The first attempt
+    fails after 1 s; the second arrives with at most 5 - 1 s left. Both clients, unary
+    and streaming."""
+    servicer, address = flaky
+    servicer.fail_after_s = 1.0
+
+    def check(run) -> None:
+        servicer.failures, servicer.calls, servicer.remaining = 1, 0, []
+        run()
+        first, second = servicer.remaining
+        assert 4.5 < first < 5.1 and second < first - 0.9, servicer.remaining
+
+    client = CactusClient(address, retry=FAST, timeout=5.0)
+    check(lambda: client.generate("x"))
+    check(lambda: list(client.stream("x")))
+    client.close()
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=5.0)
+        try:
+            servicer.failures, servicer.calls, servicer.remaining = 1, 0, []
+            await aclient.generate("x")
+            unary = list(servicer.remaining)
+            servicer.failures, servicer.calls, servicer.remaining = 1, 0, []
+            await _alist(aclient.stream("x"))
+            return unary, list(servicer.remaining)
+        finally:
+            await aclient.close()
+
+    for first, second in asyncio.run(run()):
+        assert 4.5 < first < 5.1 and second < first - 0.9, (first, second)
 
 
 def test_a_long_jitter_draw_is_shortened_to_the_deadline(flaky, monkeypatch):
