@@ -5,9 +5,10 @@ Both retry UNAVAILABLE (an engine restarting, a replica starting) and
 RESOURCE_EXHAUSTED (a full queue) with bounded exponential backoff and full jitter,
 within the call's deadline, and only before the first response: a stream that has
 delivered a token is never retried (the server resumes streams itself; a client retry
-would repeat tokens). Everything else is raised at once. A pause longer than the deadline
-leaves is shortened, and a retry starts only with at least MIN_RETRY_LEFT_S of the
-deadline left, so a call that runs out raises the error it had.
+would repeat tokens). Everything else is raised at once. A pause is shortened to end
+2 x MIN_RETRY_LEFT_S before the deadline (an attempt that fails with less left is the
+last), and a retry starts only with at least MIN_RETRY_LEFT_S of the deadline left, so
+a call that runs out raises the error it had.
 
 A value a request cannot hold (a wrong type, a negative count, a NaN) and a bad
 `timeout` are a ValueError that starts with the field's name, raised before any call

@@ -215,8 +215,8 @@ class VerifierRank:
         """Rank 0: build the engine over the draft actor and the mirrored verifier; one
         engine-loop thread steps the whole batch. `lease_s`: the draft sessions' lease
         (the group's, as the draft actor has it). `draft_alive` False (a gang restart
-        while the draft actor is gone): its Status is not waited for; requests decode
-        without drafts until a new one is attached."""
+        while the draft actor is gone or hung): its Status is not waited for; requests
+        decode without drafts until the supervisor's replacement is attached."""
         from workers.engine import SpeculativeEngine
         from workers.engine_loop import EngineLoop
         from workers.grpc_drafter import GrpcDrafter

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import threading
 import uuid
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cactus.errors import EngineStartError, RequestCancelledError
 from workers.processes import kill_processes
 from workers.scheduler import SchedulerConfig
+
+logger = logging.getLogger("cactus.group")
 
 NAMESPACE = "cactus"
 
@@ -349,11 +352,14 @@ class EngineGroup:
         self._remove_shm()
         self.ranks, self.followers = [], []
         self.rank_generation += 1
-        draft_alive = False  # none (a failed replacement), or it does not answer
-        if self.draft is not None:
-            with contextlib.suppress(Exception):
+        draft_alive = self.draft is not None  # None: a failed replacement left none
+        if draft_alive:
+            try:
                 ray.get(self.draft.reset.remote(), timeout=self.config.rpc_timeout_s)
-                draft_alive = True
+            except (RayActorError, GetTimeoutError):  # dead or hung: the supervisor's
+                draft_alive = False  # probe finds it and replaces it
+            except Exception:  # it answered, with an error: it runs
+                logger.exception("the draft actor's reset failed")
         self._start_ranks(draft_alive=draft_alive)
 
     @property

@@ -181,11 +181,12 @@ class EngineSupervisor:
         """Replace the draft actor, `restart_attempts` failed tries in a row at most. A
         try needs a live rank 0 (it attaches the new actor): while the ranks are being
         restarted it waits for them, and a try that failed because a rank died under it
-        is not counted (that death starts a gang restart, then the try is made again)."""
+        is not counted (that death starts a gang restart, then the try is made again),
+        `restart_attempts` such tries at most."""
         self.degraded_since = time.monotonic()
         self.counters["draft_restarts"] += 1
         self._changed()
-        failures = 0
+        failures = interrupted = 0
         try:
             while failures < self.config.restart_attempts:
                 if self.closed or self.state == FAILED:  # FAILED: Serve replaces the replica
@@ -204,12 +205,17 @@ class EngineSupervisor:
                 except Exception:
                     if self.closed:
                         return
+                    # not counted, up to restart_attempts times (a replacement that
+                    # itself brings the ranks down, memory on a shared device, must
+                    # still end)
                     if await self._ranks_failed(generation):
-                        logger.warning(
-                            "replacing the draft actor failed as the verifier ranks failed: "
-                            "it is tried again once they are restarted"
-                        )
-                        continue
+                        interrupted += 1
+                        if interrupted <= self.config.restart_attempts:
+                            logger.warning(
+                                "replacing the draft actor failed as the verifier ranks "
+                                "failed: it is tried again once they are restarted"
+                            )
+                            continue
                     failures += 1
                     logger.exception("replacing the draft actor failed (attempt %d)", failures)
                     await asyncio.sleep(min(8.0, 0.5 * 2 ** (failures - 1)))

@@ -210,29 +210,16 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     grpc_failure: list = []
     unary: list = []  # README: a unary request runs again (the same seed) after a rank kill
 
-    def generate_grpc() -> None:
+    def over_grpc(method: str, into: list, failures: list) -> None:
+        """One greedy gRPC call of the prompt (`generate` or `stream`): its result or
+        chunks into `into`, an RpcError into `failures`."""
         client = CactusClient(grpc_address, timeout=300)
+        kw = {"max_tokens": max_tokens, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
         try:
-            unary.append(
-                client.generate(
-                    prompt, max_tokens=max_tokens, temperature=0.0, rule="cactus", delta=1.0
-                )
-            )
+            reply = getattr(client, method)(prompt, **kw)
+            into.extend([reply] if method == "generate" else reply)
         except grpc.RpcError as err:
-            unary.append(err)
-        finally:
-            client.close()
-
-    def consume_grpc() -> None:
-        client = CactusClient(grpc_address, timeout=300)
-        try:
-            grpc_chunks.extend(
-                client.stream(
-                    prompt, max_tokens=max_tokens, temperature=0.0, rule="cactus", delta=1.0
-                )
-            )
-        except grpc.RpcError as err:
-            grpc_failure.append(err)
+            failures.append(err)
         finally:
             client.close()
 
@@ -259,8 +246,8 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     seeded |= {"delta": 1.0, "logprobs": 0, "stream_options": {"include_usage": True}}
     sampler = threading.Thread(target=consume, args=(seeded, sampled, []))
     chatter = threading.Thread(target=consume_chat)
-    grpc_reader = threading.Thread(target=consume_grpc)
-    generator = threading.Thread(target=generate_grpc)
+    grpc_reader = threading.Thread(target=over_grpc, args=("stream", grpc_chunks, grpc_failure))
+    generator = threading.Thread(target=over_grpc, args=("generate", unary, unary))
     http_generator = threading.Thread(target=complete_http)
     with killer(ray_address) as kill:
         for thread in (reader, sampler, chatter, grpc_reader, generator, http_generator):
@@ -273,6 +260,15 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         at_draft_kill = len(text())
         while len(text()) < at_draft_kill + 40 and reader.is_alive():
             time.sleep(0.05)
+        # the supervisor's probe has found the draft actor gone and its replacement (a
+        # process start and a model load, 7-10 s) is under way: "" says NOT_SERVING
+        # until it is attached, so the rank kill below lands inside it
+        health, deadline = HealthStub(channel), time.monotonic() + 10
+        replacing = None
+        while replacing != HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+            replacing = health.Check(HealthCheckRequest(service=""), timeout=10).status
+            time.sleep(0.05)
+        assert replacing == HealthCheckResponse.NOT_SERVING, replacing
         assert reader.is_alive(), "the stream ended before rank 0 was killed"
         # the sampled stream follows the goodput policy's timing-dependent k, so its
         # tokens (and where it may reach EOS) differ run to run

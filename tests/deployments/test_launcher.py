@@ -21,6 +21,18 @@ from workers.tp_verifier import free_port
 pytestmark = pytest.mark.slow
 
 
+def _serve(config_path) -> subprocess.Popen:
+    """The launcher on `config_path`, its output (stdout and stderr) on a text pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "deployments.serve", "--config", str(config_path)],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
     verifier, draft = embedded_dirs()
     port, http_port = free_port(), free_port()
@@ -33,14 +45,7 @@ def test_a_server_that_cannot_be_placed_says_so_and_make_stop_ends_it(tmp_path):
     }
     path = tmp_path / "unplaceable.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
-        cwd=REPO,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _serve(path)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     # reap it as soon as it exits, or make stop's `kill -0` would see a zombie
@@ -95,14 +100,7 @@ def test_a_replica_that_cannot_start_fails_the_deploy_with_exit_1(tmp_path):
     }
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
-        cwd=REPO,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _serve(path)
     try:
         out, _ = proc.communicate(timeout=420)
         assert proc.returncode == 1, out[-3000:]

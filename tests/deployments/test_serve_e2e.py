@@ -254,6 +254,25 @@ def serving(config: dict, folder: Path, env: dict | None = None, *, via_make: bo
     assert proc.wait(timeout=120) == 0
 
 
+def _background_stream(client, prompt: str, **kw) -> tuple[list, list, threading.Thread]:
+    """A gRPC stream read on its own thread: (its chunks so far, its RpcError if it
+    failed, the thread), returned once the first chunk has come (or the stream ended)."""
+    chunks: list = []
+    failure: list = []
+
+    def consume() -> None:
+        try:
+            chunks.extend(client.stream(prompt, **kw))  # appended as they arrive
+        except grpc.RpcError as err:
+            failure.append(err)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while not chunks and reader.is_alive():
+        time.sleep(0.02)
+    return chunks, failure, reader
+
+
 def _wait_ready(proc, timeout_s: float) -> str:
     """The READY line; every line the server prints stays on `proc.output`."""
     lines: list[str] = []
@@ -1243,19 +1262,9 @@ def test_non_finite_logits_fail_one_request_and_its_neighbour_goes_on(
     )
     server.probe.ask("poison", "poisoned-e2e")
     client = server.client()
-    chunks: list = []
-    failure: list = []
-
-    def consume():
-        try:
-            chunks.extend(client.stream(prompt, max_tokens=300, temperature=0.0, rule="sps"))
-        except grpc.RpcError as err:
-            failure.append(err)
-
-    reader = threading.Thread(target=consume)
-    reader.start()
-    while not chunks and reader.is_alive():
-        time.sleep(0.02)
+    chunks, failure, reader = _background_stream(
+        client, prompt, max_tokens=300, temperature=0.0, rule="sps"
+    )
     with pytest.raises(grpc.RpcError) as err:
         server.client().generate(
             heldout_prompts[4], max_tokens=40, request_id="poisoned-e2e", rule="cactus"
@@ -1283,15 +1292,6 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     client = server.client()
     prompt = heldout_prompts[9]
     kw = {"max_tokens": 700, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
-    chunks: list = []
-    failure: list = []
-
-    def consume():
-        try:
-            chunks.extend(client.stream(prompt, **kw))
-        except grpc.RpcError as err:
-            failure.append(err)
-
     health: list[tuple[str, float, float]] = []  # the Cactus service's
     whole: list[tuple[str, float]] = []  # the server's (""), polled in turn
     stop = threading.Event()
@@ -1315,11 +1315,8 @@ def test_killed_engine_actors_cost_no_stream_and_health_never_hangs(
     # outlives the draft actor's replacement (a process start and a model load, during
     # which it decodes without drafts) on any machine
     server.probe.ask("pace", "rank0", "0.03")
-    reader = threading.Thread(target=consume)
+    chunks, failure, reader = _background_stream(client, prompt, **kw)
     poller = threading.Thread(target=poll)
-    reader.start()
-    while not chunks and reader.is_alive():
-        time.sleep(0.05)
     poller.start()
     (killed_draft,) = server.probe.ask("names", "draft")
     draft_killed = _kill(server, "draft")
@@ -1617,21 +1614,8 @@ def test_stopping_the_server_drains_its_running_streams(server):
     the process exits 0 (README: scale-down and shutdown drain). ray.init replaces a
     driver's SIGTERM handler with sys.exit(15), which cut the stream before."""
     server.probe.close()  # no outside Ray driver attached while the server stops
-    client = server.client()
     kw = {"max_tokens": 300, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
-    chunks: list = []
-    failure: list = []
-
-    def consume():
-        try:
-            chunks.extend(client.stream("def parse(text):", **kw))
-        except grpc.RpcError as err:
-            failure.append(err)
-
-    reader = threading.Thread(target=consume)
-    reader.start()
-    while not chunks and reader.is_alive():
-        time.sleep(0.05)
+    chunks, failure, reader = _background_stream(server.client(), "def parse(text):", **kw)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
     late = None

@@ -278,17 +278,18 @@ class _RankDiesDuringTheReplacement(FlakyGroup):
     (its ping fails from then on, until a gang restart), the next one works. `events`
     records the order of replacements and restarts."""
 
-    def __init__(self) -> None:
+    def __init__(self, always: bool = False) -> None:
         super().__init__(fail=0, restart_s=0.3)
         self.draft = SimpleNamespace(status=_Answer(fail=True))
         self.ranks = [SimpleNamespace(ping=_Answer())]
         self.events: list[str] = []
+        self.always = always  # every try brings rank 0 down
 
     def replace_draft(self) -> None:
         if self.ranks[0].ping.fail:  # a try while the ranks are down: never made
             self.events.append("replace-while-down")
             raise RuntimeError("rank 0 died")
-        if "restart" not in self.events:
+        if "restart" not in self.events or self.always:
             self.events.append("replace-failed")
             self.ranks = [SimpleNamespace(ping=_Answer(fail=True))]  # rank 0 died
             raise RuntimeError("rank 0 did not attach the new draft actor")
@@ -326,6 +327,30 @@ def test_a_rank_death_during_a_draft_replacement_does_not_use_up_its_tries():
     assert sup.counters["rank_restarts"] == 1 and sup.state == "SERVING"
 
 
+def test_replacements_that_bring_the_ranks_down_are_given_up_on_too():
+    """The uncounted tries are bounded: a replacement that itself brings rank 0 down
+    every time (a draft load that exhausts memory a shared device) is not counted
+    restart_attempts times, then counts: the loop of load, rank death, gang restart
+    ends with the draft given up, and the ranks serve."""
+
+    async def run():
+        group = _RankDiesDuringTheReplacement(always=True)
+        sup = EngineSupervisor(group, _config(restart_attempts=1))
+        assert (await sup.agenerate(_req("r"))).text == "ok"
+        deadline = time.monotonic() + 20
+        while not sup.draft_given_up:
+            assert time.monotonic() < deadline, group.events
+            await asyncio.sleep(0.05)
+        while sup.state != "SERVING":
+            await asyncio.sleep(0.05)
+        return group, sup
+
+    group, sup = asyncio.run(run())
+    # one uncounted try, then one counted: restart_attempts = 1 of each
+    assert group.events == ["replace-failed", "restart", "replace-failed", "restart"], group.events
+    assert sup.draft_given_up and not sup.speculating()
+
+
 def test_a_request_waits_through_a_second_restart():
     """A restart that succeeds, then fails again before a waiting request runs (the
     new engine died at once): the request waits for the next restart within its
@@ -357,21 +382,32 @@ def test_a_gang_restart_without_a_live_draft_does_not_wait_for_it(fake_ray):
     """EngineGroup: a gang restart while the draft actor is gone (a replacement that
     failed left none) or does not answer tells rank 0 so: the old code had rank 0's
     draft client wait up to 10 s for the dead actor's Status in every such restart."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
     from workers.group import EngineGroup, GroupConfig
 
-    class _Dead:
-        class reset:  # Ray's spelling: the call fails as a dead actor's does
-            @staticmethod
-            def remote():
-                raise RuntimeError("actor died")
+    def failing(error: Exception):
+        """A draft actor whose reset fails with `error` (Ray's method spelling)."""
+
+        def remote():
+            raise error
+
+        return SimpleNamespace(reset=SimpleNamespace(remote=remote))
 
     group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
     seen = []
     group._start_ranks = lambda draft_alive=True: seen.append(draft_alive)
-    for draft in (None, _Dead(), _Actor("draft", [])):
+    drafts = [
+        None,  # a failed replacement left none
+        failing(RayActorError()),  # dead
+        failing(GetTimeoutError()),  # hung: the supervisor's probe replaces it
+        failing(ValueError("a bug in reset")),  # it answered: it runs, Status is asked
+        _Actor("draft", []),
+    ]
+    for draft in drafts:
         group.draft = draft
         group.restart_ranks()
-    assert seen == [False, False, True]
+    assert seen == [False, False, False, True, True]
 
 
 def test_the_draft_client_can_skip_the_status_of_a_dead_actor(monkeypatch):
