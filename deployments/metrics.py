@@ -80,7 +80,8 @@ class ServiceMetrics:
         )
         self.engine_restarts = metrics.Counter(
             "cactus_engine_restarts",
-            description="engine actors restarted by the supervisor",
+            description="engine actor restarts begun by the supervisor (one per failure, "
+            "whether it succeeds, is given up or ends the replica)",
             tag_keys=("actor",),
         )
         self.engine_serving = metrics.Gauge(

@@ -326,14 +326,17 @@ class EngineGroup:
             self._end([failed] if failed is not None else [], self._processes.pop("draft", []))
             raise
 
-    def restart_ranks(self) -> None:
+    def restart_ranks(self) -> bool:
         """Gang restart: every rank is killed and started again in the same bundle (a
         broken TP group cannot take a new member); the draft actor drops the old
-        engine's sessions. In-flight requests are resumed by the caller."""
+        engine's sessions. In-flight requests are resumed by the caller. Returns whether
+        the draft actor was alive (False: none, dead or hung; rank 0 drafts with nothing
+        until a replacement is attached)."""
         with self._restarting:
             self._refuse_if_closed()
-            self._restart_ranks()
+            draft_alive = self._restart_ranks()
             self._undo_if_closed()
+            return draft_alive
 
     def _remove_shm(self) -> None:
         """Remove the ended ranks' shm buffers (about 66 MiB of node memory per rank,
@@ -347,7 +350,7 @@ class EngineGroup:
         # a short bound: this runs inside a gang restart, which requests wait for
         remove_files(shm_prefix(port), nodes, timeout_s=min(10.0, self.config.rpc_timeout_s))
 
-    def _restart_ranks(self) -> None:
+    def _restart_ranks(self) -> bool:
         self._end(self.ranks, self._processes.pop("ranks", []))
         self._remove_shm()
         self.ranks, self.followers = [], []
@@ -361,6 +364,7 @@ class EngineGroup:
             except Exception:  # it answered, with an error: it runs
                 logger.exception("the draft actor's reset failed")
         self._start_ranks(draft_alive=draft_alive)
+        return draft_alive
 
     @property
     def rank0(self):

@@ -263,7 +263,12 @@ class EngineSupervisor:
                 self._ready.set()
                 return
             try:
-                await asyncio.to_thread(self.group.restart_ranks)
+                draft_alive = await asyncio.to_thread(self.group.restart_ranks)
+                if draft_alive is False and self._replacing_draft is None:
+                    # the draft actor died or hung during the restart (or none was
+                    # left): "" says so now, not at the next probe (up to
+                    # probe_timeout_s later); that probe starts its replacement
+                    self.draft_ok = False
                 self.generation += 1
                 self.state = SERVING
                 self.last_recovery_s = time.monotonic() - start

@@ -21,7 +21,7 @@ from cactus.errors import (
 )
 from tests.workers.test_supervisor_limits import FlakyGroup, _config, _req
 from workers.request import GenerationChunk, GenerationResult, SpecStats
-from workers.supervisor import EngineSupervisor
+from workers.supervisor import EngineSupervisor, RecoveryConfig
 
 
 class _Answer:
@@ -351,6 +351,34 @@ def test_replacements_that_bring_the_ranks_down_are_given_up_on_too():
     assert sup.draft_given_up and not sup.speculating()
 
 
+def test_a_restart_that_found_no_live_draft_says_so_at_once():
+    """A gang restart (started by a request's failure, so no probe ran) that found the
+    draft actor dead, hung or gone (EngineGroup.restart_ranks returns False): the
+    server ("") is NOT_SERVING from the restart's end, not from a probe up to
+    probe_timeout_s later (the monitor is slowed to one probe a minute here). A restart
+    with a live draft actor leaves it SERVING."""
+
+    class Restarts(FlakyGroup):
+        def __init__(self, draft_alive) -> None:
+            super().__init__(fail=1)
+            self.draft_alive = draft_alive
+
+        def restart_ranks(self):
+            super().restart_ranks()
+            return self.draft_alive
+
+    async def run(draft_alive):
+        group = Restarts(draft_alive)
+        config = RecoveryConfig(check_period_s=60.0, probe_timeout_s=1.0)
+        sup = EngineSupervisor(group, config)
+        before = sup.speculating()
+        result = await sup.agenerate(_req("r"))  # fails once: a restart, then runs again
+        return before, result.text, group.restarts, sup.speculating()
+
+    assert asyncio.run(run(False)) == (True, "ok", 1, False)
+    assert asyncio.run(run(True)) == (True, "ok", 1, True)
+
+
 def test_a_request_waits_through_a_second_restart():
     """A restart that succeeds, then fails again before a waiting request runs (the
     new engine died at once): the request waits for the next restart within its
@@ -404,10 +432,11 @@ def test_a_gang_restart_without_a_live_draft_does_not_wait_for_it(fake_ray):
         failing(ValueError("a bug in reset")),  # it answered: it runs, Status is asked
         _Actor("draft", []),
     ]
+    returned = []
     for draft in drafts:
         group.draft = draft
-        group.restart_ranks()
-    assert seen == [False, False, False, True, True]
+        returned.append(group.restart_ranks())  # what the supervisor is told
+    assert seen == returned == [False, False, False, True, True]
 
 
 def test_the_draft_client_can_skip_the_status_of_a_dead_actor(monkeypatch):
