@@ -22,7 +22,9 @@ engine actor dies, and no streamed token is lost.
   up on (each try starts a process and loads the draft model): requests go on without
   drafts for the rest of the replica's life, and `speculating` stays False. A try needs
   a live rank 0 (it attaches the new actor): none is made while the ranks are being
-  restarted, and one that failed because they died is not counted.
+  restarted, and one that failed because they died is not counted (`restart_attempts`
+  such tries at most). A gang restart that found no live draft actor clears
+  `draft_ok` at once.
 - Once stopped (`shutdown`, or its group shut down), the supervisor restarts and
   replaces nothing, and requests waiting for a restart end UNAVAILABLE.
 
