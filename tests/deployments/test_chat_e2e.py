@@ -263,12 +263,7 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
         # the supervisor's probe has found the draft actor gone and its replacement (a
         # process start and a model load, 7-10 s) is under way: "" says NOT_SERVING
         # until it is attached, so the rank kill below lands inside it
-        health, deadline = HealthStub(channel), time.monotonic() + 10
-        replacing = None
-        while replacing != HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
-            replacing = health.Check(HealthCheckRequest(service=""), timeout=10).status
-            time.sleep(0.05)
-        assert replacing == HealthCheckResponse.NOT_SERVING, replacing
+        _wait_health(grpc_address, "", "NOT_SERVING", timeout_s=10, every_s=0.05)
         assert reader.is_alive(), "the stream ended before rank 0 was killed"
         # the sampled stream follows the goodput policy's timing-dependent k, so its
         # tokens (and where it may reach EOS) differ run to run
@@ -361,7 +356,7 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     # allows one try (restart_attempts 1): that try is not counted, it is made again
     # after the gang restart, so the server ("") comes back SERVING and requests draft
     # again; the old code gave the draft actor up for good here
-    _wait_serving(grpc_address, "", timeout_s=120)
+    _wait_health(grpc_address, "", "SERVING", timeout_s=120)
     client = CactusClient(grpc_address, timeout=120)
     try:
         after = client.generate(prompt, max_tokens=32, temperature=0.0, rule="cactus", delta=1.0)
@@ -370,21 +365,24 @@ def test_an_http_stream_outlives_a_killed_draft_actor_and_rank(
     assert after.stats.num_draft_tokens > 0 and not after.stats.degraded, after.stats
 
 
-def _wait_serving(grpc_address: str, service: str, timeout_s: float) -> None:
-    """Until a health Check of `service` answers SERVING (fails after timeout_s)."""
-    channel = grpc.insecure_channel(grpc_address)
+def _wait_health(
+    grpc_address: str, service: str, want: str, timeout_s: float, every_s: float = 0.5
+) -> None:
+    """Until the client's health Check of `service` answers `want` (SERVING,
+    NOT_SERVING); an AssertionError naming the last answer after timeout_s."""
+    from client.client import CactusClient
+
+    client = CactusClient(grpc_address, timeout=10)
     try:
-        health, status, deadline = HealthStub(channel), None, time.monotonic() + timeout_s
+        status, deadline = None, time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with contextlib.suppress(grpc.RpcError):
-                status = health.Check(HealthCheckRequest(service=service), timeout=10).status
-                if status == HealthCheckResponse.SERVING:
+                if (status := client.health(service)) == want:
                     return
-            time.sleep(0.5)
-        name = None if status is None else HealthCheckResponse.ServingStatus.Name(status)
-        raise AssertionError(f"health of {service!r} not SERVING in {timeout_s} s: {name}")
+            time.sleep(every_s)
+        raise AssertionError(f"health of {service!r} not {want} in {timeout_s} s: {status}")
     finally:
-        channel.close()
+        client.close()
 
 
 def _complete(base_url: str, prompt: str):
