@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from cactus.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
     InvalidRequestError,
     ModelOutputError,
     RequestCancelledError,
@@ -103,7 +104,7 @@ class StepRecord:
 
     rules: list[str]
     ks: list[int]
-    accepted: list[int]
+    emitted: list[int]  # tokens the row emitted (a stop cuts its block short)
     predicted: list[float]  # the policy's expected tokens per row
 
 
@@ -174,6 +175,7 @@ class SpeculativeEngine:
                 "max_tokens",
                 f"prompt + max_tokens need {state.reserve_tokens} KV slots; "
                 f"the KV budget allows {most} per request (batching.kv_budget_tokens)",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         self.scheduler.add(state)
         self._live[state.id] = state
@@ -374,8 +376,12 @@ class SpeculativeEngine:
                 self._close(state)
         t4 = time.perf_counter()
         self._time(len(running), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        sent = [i for i, tokens in enumerate(emitted) if tokens is not None]  # non-finite: none
         self.last_step = StepRecord(
-            [s.request.speculation.rule for s in running], ks, accepted, predicted
+            [running[i].request.speculation.rule for i in sent],
+            [ks[i] for i in sent],
+            [len(emitted[i]) for i in sent],
+            [predicted[i] for i in sent],
         )
         timed = _Timed(
             ks,

@@ -78,12 +78,12 @@ class EngineMetrics:
             chosen: Counter = Counter()
             predicted: Counter = Counter()
             realised: Counter = Counter()
-            for rule, k, a, p in zip(
-                step.rules, step.ks, step.accepted, step.predicted, strict=True
+            for rule, k, n, p in zip(
+                step.rules, step.ks, step.emitted, step.predicted, strict=True
             ):
                 chosen[rule, k] += 1
                 predicted[rule] += p
-                realised[rule] += a + 1
+                realised[rule] += n
             for (rule, k), n in chosen.items():
                 self.chosen_k.inc(n, tags={"rule": rule, "k": str(k)})
             for rule, n in predicted.items():

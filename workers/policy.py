@@ -56,11 +56,14 @@ group, `timings()`) reads `describe()`: every public entry point of
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("fixed", "goodput")
 
@@ -83,12 +86,21 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.kind!r}")
-        if self.window_per_k < 0:
-            raise ValueError(f"window_per_k: must be >= 0, got {self.window_per_k}")
-        for name in ("warmup_steps", "explore_every", "window", "max_groups"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+            raise ValueError(f"kind: must be one of {', '.join(POLICIES)}, got {self.kind!r}")
+        for name in ("warmup_steps", "explore_every", "window", "window_per_k", "max_groups"):
+            value, least = getattr(self, name), 0 if name == "window_per_k" else 1
+            # a float window would never fill (len(rows) == window) and grow for good
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise ValueError(f"{name}: must be an integer, got {value!r}")
+            if value < least:
+                raise ValueError(f"{name}: must be >= {least}, got {value}")
+        # NaN fails every comparison below, so each check is written to pass only in range
+        if not (0 < self.prior_strength < float("inf")):  # 0: 0 / 0 for an unseen position
+            raise ValueError(f"prior_strength: must be finite and > 0, got {self.prior_strength}")
+        if not (0 <= self.rule_prior <= 1):
+            raise ValueError(f"rule_prior: must lie in [0, 1], got {self.rule_prior}")
+        if not (0 < self.rule_decay <= 1):  # > 1: counts grow until they overflow
+            raise ValueError(f"rule_decay: must lie in (0, 1], got {self.rule_decay}")
 
 
 @dataclass(frozen=True)
@@ -437,14 +449,14 @@ class SpeculationPolicy:
             # probe one step away from the choice, so the cost fits keep seeing how
             # time moves with k: every other probe the longest rows draft one more,
             # the others one less. In the steps up, the rows left at k = 0 draft the
-            # step's k too (1 where no row drafts): their estimate moves only if they
-            # draft, and one that started too low would otherwise never draft again.
+            # step's new k too (1 where no row drafts; each row's ceiling where lower):
+            # their estimate moves only if they draft, and one that started too low
+            # would otherwise never draft again.
             top = max(ks)
             up = (n // self.config.explore_every) % 2 == 1
             if up:
-                start = max(top, 1)  # the rows at k = 0 (top = 0: every row)
                 probe = [
-                    min(k + 1, r.ceiling) if k == top else min(start, r.ceiling) if k == 0 else k
+                    min(top + 1, r.ceiling) if k in (top, 0) else k
                     for r, k in zip(rows, ks, strict=True)
                 ]
             else:
@@ -572,7 +584,13 @@ class SpeculationPolicy:
         predicted_s: float,
         tokens: float = 0.0,
     ) -> None:
-        """A step's times; `tokens`: what it emitted (accepted + 1 per row)."""
+        """A step's times; `tokens`: what it emitted (accepted + 1 per row). A step with
+        a time that is not finite is left out: in a fit's sums it would stay for good
+        (subtracting it when it leaves the window gives NaN again) and no k would pay."""
+        times = (draft_s, verify_s, rest_s, tokens)
+        if not all(np.isfinite(t) for t in times):
+            log.warning("speculation policy: a step timed %s left out of the cost model", times)
+            return
         with self._lock:
             if predicted_s > 0:
                 self.stats.predicted_time_s += predicted_s

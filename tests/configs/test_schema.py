@@ -78,6 +78,8 @@ def test_cluster_example_is_multi_node():
             "resources.draft.num_gpus",
         ),
         ({"sampling": {"default_temperature": float("nan")}}, "sampling.default_temperature"),
+        # else refused only on rank 0, after the actors loaded, as "policy:"
+        ({"speculation": {"policy": "always"}}, "speculation.policy"),
         ({"batching": {"max_num_seqs": 0}}, "batching.max_num_seqs"),
         ({"batching": {"max_num_batched_tokens": -1}}, "batching.max_num_batched_tokens"),
         ({"batching": {"kv_budget_tokens": 10}}, "batching.kv_budget_tokens"),

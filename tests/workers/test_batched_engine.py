@@ -661,3 +661,31 @@ def test_a_request_whose_time_runs_out_while_it_waits_ends_then_and_frees_its_pl
     assert _result(out["after"]).token_ids  # admitted once the row freed
     assert engine.verifier.runner.num_sequences == 0
     assert engine.drafter.runner.num_sequences == 0
+
+
+def test_the_step_record_counts_what_each_row_emitted(embedded_engine, heldout_prompts):
+    """The metrics' realised tokens (EngineMetrics reads `last_step`) are the tokens the
+    rows emitted: a stop string that ends a request inside its block cuts the count
+    there (accepted + 1 counted the block's tokens after it too)."""
+    base = _req(heldout_prompts[0], "rec-solo", rule="cactus", k=6, temperature=0.0, max_tokens=40)
+    text = embedded_engine.generate(base).text
+    stop = text[len(text) // 2 :][:3]  # somewhere inside a block, most likely
+    reqs = [
+        replace(base, request_id="rec0", sampling=replace(base.sampling, stop=(stop,))),
+        _req(heldout_prompts[1], "rec1", rule="sps", temperature=0.0, max_tokens=12),
+    ]
+    counted = {"cactus": 0, "sps": 0}
+    embedded_engine.last_step = None  # the solo run's last step
+
+    def on_step(_step, _batch):
+        record = embedded_engine.last_step
+        if record is None:  # a step of prefill only
+            return
+        for rule, n in zip(record.rules, record.emitted, strict=True):
+            counted[rule] += n
+        embedded_engine.last_step = None
+
+    out = _run_together(embedded_engine, reqs, on_step=on_step)
+    stopped, other = _result(out["rec0"]), _result(out["rec1"])
+    assert stopped.finish_reason == "STOP_SEQUENCE"
+    assert counted == {"cactus": len(stopped.token_ids), "sps": len(other.token_ids)}
