@@ -7,19 +7,26 @@ class CactusError(Exception):
     """Base class of the project's errors."""
 
 
-class InvalidRequestError(CactusError, ValueError):
-    """A request field is out of range. `field` names it; the message gives the limit."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code, vLLM's too
 
-    def __init__(self, field: str, message: str) -> None:
+
+class InvalidRequestError(CactusError, ValueError):
+    """A request field is out of range. `field` names it; the message gives the limit.
+    `code`: a machine-readable reason where clients look for one (the HTTP API's
+    `error.code`: CONTEXT_LENGTH_EXCEEDED for a prompt or max_tokens the context or the
+    KV budget cannot hold, which OpenAI clients use to trim a conversation)."""
+
+    def __init__(self, field: str, message: str, code: str | None = None) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.reason = message
+        self.code = code
 
     def __reduce__(self):
         # Rank 0 raises some of these (a request above the whole KV budget) and Ray
         # pickles them to the replica; the default reduce would call __init__ with the
         # one formatted message, fail to unpickle, and the caller would get INTERNAL.
-        return (type(self), (self.field, self.reason))
+        return (type(self), (self.field, self.reason, self.code))
 
 
 class RequestCancelledError(CactusError):

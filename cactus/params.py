@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cactus.errors import InvalidRequestError
+from cactus.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 
 RULES = ("none", "sps", "cactus", "cactus_exact", "tas")
 MAX_STOP_STRINGS = 8
@@ -20,6 +20,9 @@ MAX_STOP_TOKEN_IDS = 64
 # A client's own request_id (gRPC): every draft message and streamed chunk of the request
 # carries it, so an unbounded one would swell every step's messages for the whole batch.
 MAX_REQUEST_ID_CHARS = 256
+# sampling.default_max_tokens: null stands for this (no context reaches it), which the
+# ingress's fit for an unset max_tokens shrinks to all the prompt leaves
+REST_OF_CONTEXT = 2**31 - 1
 MAX_SEED = 2**64 - 1
 # The widest draft block any drafter takes (K): the ceiling of the config's
 # speculation.max_num_speculative_tokens, and the draft service's bound on the wire.
@@ -121,6 +124,17 @@ def _invalid(name: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(name, message)
 
 
+def too_long(name: str, message: str, context: int) -> InvalidRequestError:
+    """A prompt or max_tokens the context cannot hold, in the words OpenAI's and vLLM's
+    messages use ("This model's maximum context length is N tokens"), which clients
+    match to trim a conversation, and with their error code."""
+    return InvalidRequestError(
+        name,
+        f"{message}. This model's maximum context length is {context} tokens",
+        CONTEXT_LENGTH_EXCEEDED,
+    )
+
+
 def validate_request(
     request: GenerationRequest, limits: Limits, *, prompt_len: int | None = None
 ) -> None:
@@ -164,10 +178,7 @@ def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
         return
     ids = request.prompt_token_ids
     if len(ids) > limits.max_context - 1:  # at least one token must still fit
-        raise _invalid(
-            "prompt_token_ids",
-            f"{len(ids)} tokens leave no room in max context {limits.max_context}",
-        )
+        raise too_long("prompt_token_ids", f"{len(ids)} tokens leave no room", limits.max_context)
     for i, tok in enumerate(ids):
         if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
             raise _invalid(
@@ -181,19 +192,16 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
         raise _invalid("max_tokens", f"must be an integer >= 1, got {s.max_tokens!r}")
     if prompt_len is not None:
         if prompt_len > limits.max_context - 1:
-            raise _invalid(
-                "prompt", f"{prompt_len} tokens leaves no room in max context {limits.max_context}"
-            )
+            raise too_long("prompt", f"{prompt_len} tokens leave no room", limits.max_context)
         if prompt_len + s.max_tokens > limits.max_context:
-            raise _invalid(
+            raise too_long(
                 "max_tokens",
-                f"prompt ({prompt_len}) + max_tokens ({s.max_tokens}) "
-                f"exceeds max context {limits.max_context}",
+                f"prompt ({prompt_len}) + max_tokens ({s.max_tokens}) = "
+                f"{prompt_len + s.max_tokens} tokens",
+                limits.max_context,
             )
     elif s.max_tokens > limits.max_context:
-        raise _invalid(
-            "max_tokens", f"exceeds max context {limits.max_context}, got {s.max_tokens}"
-        )
+        raise too_long("max_tokens", f"got {s.max_tokens}", limits.max_context)
     _finite_in("temperature", s.temperature, 0.0, 2.0)
     _finite_in("top_p", s.top_p, 0.0, 1.0, low_open=True)
     if not _is_int(s.top_k) or s.top_k < -1 or s.top_k > limits.vocab_size:

@@ -111,9 +111,9 @@ class SpeculationConfig(_Model):
 
 class SamplingConfig(_Model):
     default_temperature: Float = doc("temperature when a request sets none", 1.0)
-    default_max_tokens: Int = doc(
+    default_max_tokens: Int | None = doc(
         "max_tokens when a request sets none (shrunk to what the prompt leaves of the context "
-        "and of kv_budget_tokens)",
+        "and of kv_budget_tokens); null: all of that, as OpenAI's and vLLM's default",
         64,
     )
 
@@ -433,7 +433,11 @@ def validate(c: ServeConfig) -> None:
         "sampling.default_temperature",
         "must lie in [0, 2]",
     )
-    _check(c.sampling.default_max_tokens >= 1, "sampling.default_max_tokens", "must be >= 1")
+    _check(
+        c.sampling.default_max_tokens is None or c.sampling.default_max_tokens >= 1,
+        "sampling.default_max_tokens",
+        "must be null or >= 1",
+    )
     lim = c.limits
     _check(lim.max_ongoing_requests >= 1, "limits.max_ongoing_requests", "must be >= 1")
     _check(

@@ -33,13 +33,21 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
+from cactus.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InvalidRequestError,
+    ServerShuttingDownError,
+    is_unavailable,
+    unwrap,
+)
 from cactus.params import (
     MAX_REQUEST_ID_CHARS,
+    REST_OF_CONTEXT,
     GenerationRequest,
     Limits,
     SamplingParams,
     SpeculationParams,
+    too_long,
     validate_request,
 )
 from configs.schema import ServeConfig, from_dict
@@ -74,6 +82,13 @@ def limits_from(config: ServeConfig, *, vocab_size: int, max_context: int) -> Li
     )
 
 
+def default_max_tokens(config: ServeConfig) -> int:
+    """max_tokens for a request that sets none (null in the config: the rest of the
+    context, which `tokenize(fit_max_tokens=True)` cuts to what the prompt leaves)."""
+    value = config.sampling.default_max_tokens
+    return REST_OF_CONTEXT if value is None else value
+
+
 def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationRequest:
     """Wire request -> GenerationRequest, unset fields filled from the config."""
     rid = msg.request_id
@@ -85,7 +100,7 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         )
     s, sp = msg.sampling, msg.speculation
     sampling = SamplingParams(
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else config.sampling.default_max_tokens,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens(config),
         temperature=s.temperature
         if s.HasField("temperature")
         else config.sampling.default_temperature,
@@ -150,16 +165,14 @@ def tokenize(
         if not ids:
             raise InvalidRequestError("prompt", "encodes to zero tokens")
         if len(ids) > limits.max_context - 1:  # named as sent: a text prompt
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(ids)} tokens leave no room in max context {limits.max_context}",
-            )
+            raise too_long("prompt", f"{len(ids)} tokens leave no room", limits.max_context)
         request = replace(request, prompt=None, prompt_token_ids=tuple(ids))
     if len(ids) > most - 1:  # the context's case is refused above, naming it
         raise InvalidRequestError(
             "prompt",
             f"{len(ids)} tokens leave no room in the {most} KV slots a request may hold "
             "(batching.kv_budget_tokens)",
+            CONTEXT_LENGTH_EXCEEDED,
         )
     room = most - len(ids)
     if fit_max_tokens and 1 <= room < request.sampling.max_tokens:

@@ -41,7 +41,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
-from cactus.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, SpeculationParams
+from cactus.params import (
+    MAX_LOGPROBS,
+    REST_OF_CONTEXT,
+    GenerationRequest,
+    SamplingParams,
+    SpeculationParams,
+)
 from deployments.metrics import failure_reason
 
 logger = logging.getLogger(__name__)
@@ -175,7 +181,7 @@ def as_openai_error(err: BaseException, request_id: str = "", sent=None) -> Open
     if isinstance(err, InvalidRequestError):
         if sent is not None:
             err = sent(err)
-        return OpenAIError(400, str(err), param=err.field)
+        return OpenAIError(400, str(err), param=err.field, code=err.code)
     code = getattr(err, "code", None)
     if isinstance(code, grpc.StatusCode):  # the shim's RequestError
         status = _STATUS.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
@@ -312,7 +318,7 @@ def as_sent(err: InvalidRequestError, body: dict, chat: bool) -> InvalidRequestE
         field = "messages"
     elif not chat and field == "prompt_token_ids":
         field = "prompt"
-    return err if field == err.field else InvalidRequestError(field, err.reason)
+    return err if field == err.field else InvalidRequestError(field, err.reason, err.code)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -416,8 +422,9 @@ def to_request(
     prompt is set by the caller)."""
     s, sp = config.sampling, config.speculation
     max_tokens = _number(body, max_tokens_field, None, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", s.default_max_tokens, integer=True)
+    if max_tokens is None:  # unset: the config's default (null: the rest of the context)
+        default = REST_OF_CONTEXT if s.default_max_tokens is None else s.default_max_tokens
+        max_tokens = _number(body, "max_tokens", default, integer=True)
     seed = _number(body, "seed", None, integer=True)
     if seed is not None and -(2**63) <= seed < 0:  # vLLM takes signed 64-bit seeds: the
         seed += 2**64  # same 64 bits, unsigned (the engine's seeds are in [0, 2^64))

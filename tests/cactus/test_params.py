@@ -93,19 +93,39 @@ def test_bad_field_is_named(field, request_):
 
 
 def test_context_checks_need_the_prompt_length():
+    """Worded as OpenAI's and vLLM's ("This model's maximum context length is N
+    tokens") and with their code: clients match either to trim a conversation."""
+    said = "This model's maximum context length is 1024 tokens"
     validate_request(_s(max_tokens=1000), LIMITS)
-    with pytest.raises(InvalidRequestError, match="max context 1024") as err:
+    with pytest.raises(InvalidRequestError, match="1030 tokens. " + said) as err:
         validate_request(_s(max_tokens=1000), LIMITS, prompt_len=30)
-    assert err.value.field == "max_tokens"
+    assert err.value.field == "max_tokens" and err.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidRequestError, match=said) as err:
+        validate_request(_s(max_tokens=2000), LIMITS)
+    assert err.value.field == "max_tokens" and err.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError) as err:
         validate_request(GOOD, LIMITS, prompt_len=1024)
-    assert err.value.field == "prompt"
+    assert err.value.field == "prompt" and err.value.code == "context_length_exceeded"
     # a request that came with ids is told about the field it sent
     for n in (1024, 1025):
         ids = replace(GOOD, prompt=None, prompt_token_ids=(1,) * n)
-        with pytest.raises(InvalidRequestError, match="no room in max context 1024") as err:
+        with pytest.raises(InvalidRequestError, match=f"{n} tokens leave no room. {said}") as err:
             validate_request(ids, LIMITS)
         assert err.value.field == "prompt_token_ids"
+        assert err.value.code == "context_length_exceeded"
+    # the code survives pickling (rank 0 raises the KV budget's over Ray)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(err.value))
+    assert (again.field, again.code, str(again)) == (
+        err.value.field,
+        err.value.code,
+        str(err.value),
+    )
+    # other checks have no code
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(_s(temperature=3.0), LIMITS)
+    assert err.value.code is None
     validate_request(replace(GOOD, prompt=None, prompt_token_ids=(1,) * 1023), LIMITS)
 
 

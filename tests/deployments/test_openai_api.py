@@ -80,6 +80,9 @@ def test_models_completions_and_extras_with_the_official_client(ray_session):
     cactus = reply.model_extra["cactus"]
     assert cactus["num_accepted_tokens"] == 2 and isinstance(cactus["seed"], int)
     assert isinstance(cactus["accepted_per_position"], list)
+    # the README's quick start reads these
+    assert isinstance(cactus["mean_acceptance_length"], float)
+    assert isinstance(cactus["divergence_nats"], float)
     req = shim.engine.seen[-1]
     assert req.sampling.stop_token_ids == (5, 9) and req.time_limit_s == 30.0
     assert req.sampling.max_tokens == 5 and req.sampling.seed == 7 and req.sampling.top_k == 20
@@ -172,6 +175,7 @@ def test_a_batch_of_prompts_is_a_choice_each(ray_session):
     )
     assert len({r.request_id for r in seen}) == 2
     assert all(c.model_extra["cactus"]["num_accepted_tokens"] == 2 for c in reply.choices)
+    assert "cactus" not in reply.model_extra  # README: per choice, none at the top
     assert reply.usage.completion_tokens == 6
     assert reply.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in seen)
     ids = _raw(app, "POST", "/v1/completions", json={"prompt": [[5, 6], [7], "x"]})
@@ -264,6 +268,51 @@ def test_an_unset_max_tokens_fits_the_context_over_http(ray_session):
     reply = _raw(app, "POST", "/v1/completions", json={"prompt": [5] * 10})
     assert reply.status_code == 200, reply.text
     assert shim.engine.seen[-1].sampling.max_tokens == 54
+    # default_max_tokens null: OpenAI's and vLLM's default, all the prompt leaves
+    shim, app = _app(sampling={"default_max_tokens": None})
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": [5] * 10})
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].sampling.max_tokens == 1014
+    reply = _raw(app, "POST", "/v1/chat/completions", json={"messages": messages})
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].sampling.max_tokens == room
+    shim, app = _app(sampling={"default_max_tokens": None}, batching={"kv_budget_tokens": 64})
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": [5] * 10})
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].sampling.max_tokens == 54
+
+
+def test_a_prompt_the_context_cannot_hold_is_context_length_exceeded(ray_session):
+    """OpenAI's and vLLM's code and wording for it, which clients (LangChain, LiteLLM,
+    agent frameworks) match to trim the conversation and retry: a completions prompt,
+    a chat conversation, a max_tokens that does not fit, a prompt over the KV budget."""
+    shim, app = _app()
+    shim.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    text = shim.tokenizer.decode([5] * 1100)
+    for path, body, param in (
+        ("/v1/completions", {"prompt": [5] * 1100}, "prompt"),
+        ("/v1/completions", {"prompt": text}, "prompt"),
+        ("/v1/completions", {"prompt": [5] * 1000, "max_tokens": 30}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2000},
+            "max_completion_tokens",
+        ),
+    ):
+        reply = _raw(app, "POST", path, json=body)
+        error = reply.json()["error"]
+        assert reply.status_code == 400, (path, reply.text)
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+        assert "This model's maximum context length is 1024 tokens" in error["message"]
+    shim, app = _app(batching={"kv_budget_tokens": 64})
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": [5] * 70})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "context_length_exceeded", reply.text
+    # other 400s keep a null code
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "temperature": 3})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] is None, reply.text
 
 
 def test_logprobs_carry_the_bytes_of_tokens_that_split_a_character(ray_session):
