@@ -349,6 +349,32 @@ def test_a_row_left_at_k_0_drafts_in_the_probes_up():
     assert policy.acceptance.alphas("fresh", "sps", 1)[0] > 0.85
 
 
+def test_every_public_entry_point_of_the_policy_holds_its_lock():
+    """The races a stress test meets only now and then (a fit's dict growing while
+    describe() iterates it, a refit lost), shut out by construction: each entry point
+    waits while another thread holds the policy's lock."""
+    import threading
+
+    policy = _trained_policy({"a": 0.9}, steps=40)
+    rows = [PolicyRow("r0", "a", 8), PolicyRow("r1", "a", 8)]
+    calls = {
+        "plan": lambda: policy.plan(rows),
+        "observe_rows": lambda: policy.observe_rows(rows, [4, 4], [2, 3], [3.0, 3.0]),
+        "observe_time": lambda: policy.observe_time([4, 4], [0, 0], 0.01, 0.02, 0.01, 0.0),
+        "predict_time": lambda: policy.predict_time([4, 4], [0, 0]),
+        "forget": lambda: policy.forget("r0"),
+        "describe": policy.describe,
+    }
+    for name, call in calls.items():
+        finished = threading.Event()
+        thread = threading.Thread(target=lambda c=call: (c(), finished.set()))
+        with policy._lock:
+            thread.start()
+            assert not finished.wait(0.2), f"{name} ran while another thread held the lock"
+        thread.join(5)
+        assert finished.is_set(), name
+
+
 def test_describe_is_safe_while_the_loop_learns():
     """`describe()` runs on another thread (the actor's control group, timings()) while
     the engine's loop plans and learns: with thread switches as often as possible, it
@@ -375,7 +401,7 @@ def test_describe_is_safe_while_the_loop_learns():
     thread = threading.Thread(target=reader)
     try:
         thread.start()
-        for step in range(1500):
+        for step in range(300):
             rows = [PolicyRow(f"r{step}-{i}", f"cactus:{step}.{i}", 8) for i in range(4)]
             ks = rng.integers(0, 9, size=4).tolist()
             policy.observe_rows(rows, ks, [k // 2 for k in ks], [1.0] * 4)
