@@ -127,6 +127,7 @@ class EngineGroup:
         self._draft_key = secrets.token_hex(16)
         self.followers: list = []
         self.draft_address = ""
+        self._draft_serving = None  # the new draft actor's serve() call (_launch_draft)
         self.placement: dict = {}
         # request id -> its calls to rank 0 in flight (refs): `cancel` drops one still
         # queued for a rank-0 thread, which rank 0's cancel flag cannot reach
@@ -161,8 +162,11 @@ class EngineGroup:
                 f"the engine's placement group {engine_bundles(self.config)} was not granted",
                 lambda: f"; free on the cluster now: {ray.available_resources()}",
             )
-            self._start_draft()
-            self._start_ranks()
+            # The draft actor loads while the ranks start and load: each is a process
+            # start, imports and a model load (5-6 s apiece on 2 cores), which ran one
+            # after the other; rank 0 needs the draft's address only to connect.
+            self._launch_draft()
+            self._start_ranks(before_connect=self._await_draft)
         except BaseException:
             self._abandon()
             raise
@@ -194,6 +198,11 @@ class EngineGroup:
         self.ranks, self.followers, self.draft, self._processes = [], [], None, {}
 
     def _start_draft(self) -> None:
+        self._launch_draft()
+        self._await_draft()
+
+    def _launch_draft(self) -> None:
+        """Create the draft actor; `_await_draft` waits for it to load."""
         from workers.actors import DraftActor
 
         c = self.config
@@ -214,14 +223,19 @@ class EngineGroup:
             key=self._draft_key,
             kv_budget_tokens=c.kv_budget_tokens,
         )
-        self.draft_address = self._wait(self.draft.serve.remote(), "the draft actor did not load")
+        self._draft_serving = self.draft.serve.remote()
+
+    def _await_draft(self) -> None:
+        self.draft_address = self._wait(self._draft_serving, "the draft actor did not load")
         status = self._wait(self.draft.status.remote(), "the draft actor did not answer")
         self.placement["draft"] = status["node_id"]
         self._processes["draft"] = [(status["node_id"], status["process"])]
 
-    def _start_ranks(self, draft_alive: bool = True) -> None:
+    def _start_ranks(self, draft_alive: bool = True, before_connect=None) -> None:
         """`draft_alive` False: rank 0 does not wait for the draft actor's Status (it
-        is gone; the supervisor attaches its replacement)."""
+        is gone; the supervisor attaches its replacement). `before_connect`: run once
+        the ranks have loaded, before rank 0 connects (a first start waits there for
+        the draft actor it launched beside them)."""
         from workers.actors import VerifierRank
 
         c = self.config
@@ -259,6 +273,8 @@ class EngineGroup:
             f"the {c.tp_size} verifier ranks did not load and join their group",
         )
         self.followers = [r.follow.remote() for r in self.ranks[1:]]
+        if before_connect is not None:
+            before_connect()
         self._wait(
             self.ranks[0].connect.remote(
                 self.draft_address,

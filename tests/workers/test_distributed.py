@@ -524,21 +524,25 @@ def test_an_engine_that_cannot_be_placed_fails_naming_the_setting_and_leaves_not
 
 def test_a_failed_start_stops_the_actors_it_had_started(ray_session, tmp_path):
     """The draft actor starts, then the verifier cannot load (an empty model folder):
-    the error is the loader's, and the draft actor and the rank are stopped."""
+    the error is the loader's, and the draft actor and the rank are stopped. The ranks
+    start while the draft actor still loads (they waited for it: a replica started
+    5-6 s slower on 2 cores)."""
     _verifier, draft = embedded_dirs()
     group = EngineGroup(GroupConfig(str(tmp_path), draft, tp_size=1, start_timeout_s=120.0))
-    names = []
+    names, loaded = [], []
     original = group._start_ranks
 
-    def start_ranks():
+    def start_ranks(**kw):
         names.extend(_engine_actors(group.name))  # what had started before the ranks
-        original()
+        loaded.extend(ray.wait([group._draft_serving], timeout=0)[0])
+        original(**kw)
 
     group._start_ranks = start_ranks
     with pytest.raises(ray.exceptions.RayTaskError) as err:
         group.start()
     assert str(tmp_path) in str(err.value) or "config" in str(err.value).lower(), err.value
     assert names == [f"{group.name}.d0-draft"], names
+    assert loaded == [], "the ranks started after the draft actor had loaded"
     assert _gone(group.name), _engine_actors(group.name)
     assert group.pg is None and group.draft is None and group.ranks == []
 

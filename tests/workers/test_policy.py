@@ -367,7 +367,7 @@ def test_every_public_entry_point_of_the_policy_holds_its_lock():
     }
     for name, call in calls.items():
         finished = threading.Event()
-        thread = threading.Thread(target=lambda c=call: (c(), finished.set()))
+        thread = threading.Thread(target=lambda c=call, f=finished: (c(), f.set()))
         with policy._lock:
             thread.start()
             assert not finished.wait(0.2), f"{name} ran while another thread held the lock"
