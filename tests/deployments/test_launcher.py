@@ -21,12 +21,12 @@ from workers.tp_verifier import free_port
 pytestmark = pytest.mark.slow
 
 
-def _serve(config_path) -> subprocess.Popen:
+def _serve(config_path, **env: str) -> subprocess.Popen:
     """The launcher on `config_path`, its output (stdout and stderr) on a text pipe."""
     return subprocess.Popen(
         [sys.executable, "-m", "deployments.serve", "--config", str(config_path)],
         cwd=REPO,
-        env=dict(os.environ),
+        env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -100,7 +100,9 @@ def test_a_replica_that_cannot_start_fails_the_deploy_with_exit_1(tmp_path):
     }
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = _serve(path)
+    # one constructor try instead of Serve's 3 per replica: the same DEPLOY_FAILED, 2
+    # failed engine starts sooner (the server's own Ray head inherits the variable)
+    proc = _serve(path, RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT="1")
     try:
         out, _ = proc.communicate(timeout=420)
         assert proc.returncode == 1, out[-3000:]
