@@ -26,10 +26,11 @@ def _req(prompt, *, rule="cactus", delta=1.0, k=4, **sampling):
 
 
 def test_greedy_every_rule_equals_verifier_only(embedded_engine, heldout_prompts):
-    """Temperature 0: 8 prompts (every other held-out one) x 48 tokens, every rule, one
-    request at a time, token for token (test_batched_engine checks a batch of every rule)."""
+    """Temperature 0: 4 prompts (every fourth held-out one) x 48 tokens, every rule, one
+    request at a time, token for token (test_batched_engine checks a batch of every rule
+    on more prompts)."""
     accepted = {}
-    for prompt in heldout_prompts[::2]:
+    for prompt in heldout_prompts[::4]:
         want = embedded_engine.generate(_req(prompt, rule="none", temperature=0.0, max_tokens=48))
         for rule in RULES:
             got = embedded_engine.generate(
