@@ -113,7 +113,8 @@ class SamplingConfig(_Model):
     default_temperature: Float = doc("temperature when a request sets none", 1.0)
     default_max_tokens: Int | None = doc(
         "max_tokens when a request sets none (shrunk to what the prompt leaves of the context "
-        "and of kv_budget_tokens); null: all of that, as OpenAI's and vLLM's default",
+        "and of kv_budget_tokens); null: all of that, as OpenAI's and vLLM's default (each "
+        "such request then reserves KV for the whole rest: see the README's OpenAI section)",
         64,
     )
 

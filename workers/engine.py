@@ -100,11 +100,12 @@ class _Timed(NamedTuple):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One decode step, for metrics: per row its rule, k, accepted and predicted tokens."""
+    """One decode step, for metrics: per row its rule, k, accepted and predicted tokens
+    (rows that ended with non-finite logits left out: they emitted nothing)."""
 
     rules: list[str]
     ks: list[int]
-    emitted: list[int]  # tokens the row emitted (a stop cuts its block short)
+    accepted: list[int]
     predicted: list[float]  # the policy's expected tokens per row
 
 
@@ -380,7 +381,7 @@ class SpeculativeEngine:
         self.last_step = StepRecord(
             [running[i].request.speculation.rule for i in sent],
             [ks[i] for i in sent],
-            [len(emitted[i]) for i in sent],
+            [accepted[i] for i in sent],
             [predicted[i] for i in sent],
         )
         timed = _Timed(

@@ -41,7 +41,8 @@ class EngineMetrics:
         )
         self.realised = metrics.Counter(
             "cactus_spec_realised_tokens",
-            description="tokens the decode steps emitted (accepted + 1 per row), by rule",
+            description="tokens the decode steps' acceptance gave (accepted + 1 per row, as the "
+            "policy predicts them; a stop may then cut a block), by rule",
             tag_keys=("rule",),
         )
         self.round_trip = metrics.Histogram(
@@ -78,12 +79,12 @@ class EngineMetrics:
             chosen: Counter = Counter()
             predicted: Counter = Counter()
             realised: Counter = Counter()
-            for rule, k, n, p in zip(
-                step.rules, step.ks, step.emitted, step.predicted, strict=True
+            for rule, k, a, p in zip(
+                step.rules, step.ks, step.accepted, step.predicted, strict=True
             ):
                 chosen[rule, k] += 1
                 predicted[rule] += p
-                realised[rule] += n
+                realised[rule] += a + 1
             for (rule, k), n in chosen.items():
                 self.chosen_k.inc(n, tags={"rule": rule, "k": str(k)})
             for rule, n in predicted.items():

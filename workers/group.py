@@ -15,6 +15,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -166,16 +167,19 @@ class EngineGroup:
             # start, imports and a model load (5-6 s apiece on 2 cores), which ran one
             # after the other; rank 0 needs the draft's address only to connect.
             self._launch_draft()
-            self._start_ranks(before_connect=self._await_draft)
+            self._start_ranks(draft_loading=True)
         except BaseException:
             self._abandon()
             raise
         return self
 
-    def _wait(self, refs, what: str, more=lambda: ""):
-        """ray.get within start_timeout_s; a timeout is an EngineStartError saying what
-        did not happen in time and which setting bounds it."""
+    def _wait(self, refs, what: str, more=lambda: "", since: float | None = None):
+        """ray.get within start_timeout_s (counted from `since`, a monotonic time, when
+        given); a timeout is an EngineStartError saying what did not happen in time and
+        which setting bounds it."""
         timeout = self.config.start_timeout_s
+        if since is not None:
+            timeout = max(timeout - (time.monotonic() - since), 0.0)
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError:
@@ -224,18 +228,21 @@ class EngineGroup:
             kv_budget_tokens=c.kv_budget_tokens,
         )
         self._draft_serving = self.draft.serve.remote()
+        self._draft_launched = time.monotonic()
 
     def _await_draft(self) -> None:
-        self.draft_address = self._wait(self._draft_serving, "the draft actor did not load")
+        self.draft_address = self._wait(
+            self._draft_serving, "the draft actor did not load", since=self._draft_launched
+        )
         status = self._wait(self.draft.status.remote(), "the draft actor did not answer")
         self.placement["draft"] = status["node_id"]
         self._processes["draft"] = [(status["node_id"], status["process"])]
 
-    def _start_ranks(self, draft_alive: bool = True, before_connect=None) -> None:
+    def _start_ranks(self, draft_alive: bool = True, draft_loading: bool = False) -> None:
         """`draft_alive` False: rank 0 does not wait for the draft actor's Status (it
-        is gone; the supervisor attaches its replacement). `before_connect`: run once
-        the ranks have loaded, before rank 0 connects (a first start waits there for
-        the draft actor it launched beside them)."""
+        is gone; the supervisor attaches its replacement). `draft_loading`: the draft
+        actor was just launched (a first start) and loads beside the ranks; a failure
+        of it ends the start at once, and rank 0 connects once it has loaded."""
         from workers.actors import VerifierRank
 
         c = self.config
@@ -256,25 +263,33 @@ class EngineGroup:
             # so a start that fails half way removes them too (_abandon)
             nodes = self._wait([r.node_id.remote() for r in self.ranks], "a rank did not start")
             self._shm = (port, nodes)
+        began = time.monotonic()
+        loading = [
+            r.init.remote(
+                port,
+                c.verifier_dir,
+                dtype=c.dtype,
+                device=c.device,
+                threads=c.threads,
+                shm_allreduce=c.shm_allreduce,
+                max_num_seqs=c.max_num_seqs,
+                kv_budget_tokens=c.kv_budget_tokens,
+            )
+            for r in self.ranks
+        ]
+        if draft_loading:
+            self._unless_draft_fails(loading)
         infos = self._wait(
-            [
-                r.init.remote(
-                    port,
-                    c.verifier_dir,
-                    dtype=c.dtype,
-                    device=c.device,
-                    threads=c.threads,
-                    shm_allreduce=c.shm_allreduce,
-                    max_num_seqs=c.max_num_seqs,
-                    kv_budget_tokens=c.kv_budget_tokens,
-                )
-                for r in self.ranks
-            ],
+            loading,
             f"the {c.tp_size} verifier ranks did not load and join their group",
+            since=began,
         )
+        # recorded before rank 0 connects, so that a failure from here on kills them
+        self.placement["ranks"] = [info["node_id"] for info in infos]
+        self._processes["ranks"] = [(info["node_id"], info["process"]) for info in infos]
         self.followers = [r.follow.remote() for r in self.ranks[1:]]
-        if before_connect is not None:
-            before_connect()
+        if draft_loading:
+            self._await_draft()
         self._wait(
             self.ranks[0].connect.remote(
                 self.draft_address,
@@ -292,8 +307,22 @@ class EngineGroup:
             ),
             "rank 0 did not connect to the draft actor",
         )
-        self.placement["ranks"] = [info["node_id"] for info in infos]
-        self._processes["ranks"] = [(info["node_id"], info["process"]) for info in infos]
+
+    def _unless_draft_fails(self, loading: list) -> None:
+        """Wait for the ranks' loads (`loading`) unless the draft actor, loading beside
+        them, fails first: its error is raised at once, not after the verifier has
+        loaded (minutes of a large model) and in place of no error at all when the
+        ranks then fail too. A timeout is left to the wait that follows."""
+        pending = list(loading)
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, _ = ray.wait([self._draft_serving, *pending], num_returns=1, timeout=left)
+            if not ready:
+                return
+            if ready[0] == self._draft_serving:
+                ray.get(self._draft_serving)  # raises the draft actor's failure, if any
+                return  # it loaded: the ranks are waited for as usual
+            pending = [ref for ref in pending if ref != ready[0]]
 
     def replace_draft(self) -> None:
         """A new draft actor in the old one's bundle; rank 0 switches to it and re-opens

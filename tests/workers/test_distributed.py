@@ -522,6 +522,33 @@ def test_an_engine_that_cannot_be_placed_fails_naming_the_setting_and_leaves_not
     assert _engine_actors(group.name) == []
 
 
+def test_a_draft_actor_that_fails_beside_loading_ranks_ends_the_start_at_once(ray_session):
+    """The draft actor loads while the ranks do: its failure is raised when it happens,
+    not after the verifier has loaded (minutes for a large model), and a draft that
+    loads leaves the ranks' wait to go on. Real Ray calls stand in for both loads."""
+
+    @ray.remote(num_cpus=0)  # none waits for a CPU behind the others
+    def load(seconds: float, fail: bool = False) -> str:
+        time.sleep(seconds)
+        if fail:
+            raise OSError("no model in the draft folder")
+        return "127.0.0.1:1"
+
+    group = EngineGroup(GroupConfig("verifier", "draft", start_timeout_s=60.0))
+    ranks = [load.remote(30.0), load.remote(30.0)]
+    group._draft_serving = load.remote(0.5, fail=True)
+    began = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="no model in the draft folder"):
+        group._unless_draft_fails(ranks)
+    assert time.monotonic() - began < 15.0  # not the ranks' 30 s
+    for ref in ranks:
+        ray.cancel(ref, force=True)
+    group._draft_serving = load.remote(0.5)
+    began = time.monotonic()
+    group._unless_draft_fails([load.remote(2.0)])
+    assert time.monotonic() - began >= 0.4  # it waited for the draft, then returned
+
+
 def test_a_failed_start_stops_the_actors_it_had_started(ray_session, tmp_path):
     """The draft actor starts, then the verifier cannot load (an empty model folder):
     the error is the loader's, and the draft actor and the rank are stopped. The ranks
