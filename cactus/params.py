@@ -23,6 +23,15 @@ MAX_REQUEST_ID_CHARS = 256
 # sampling.default_max_tokens: null stands for this (no context reaches it), which the
 # ingress's fit for an unset max_tokens shrinks to all the prompt leaves
 REST_OF_CONTEXT = 2**31 - 1
+
+
+def default_max_tokens(configured: int | None) -> int:
+    """max_tokens for a request that sets none, from `sampling.default_max_tokens` (null:
+    the rest of the context, which the ingress's `tokenize(fit_max_tokens=True)` cuts to
+    what the prompt leaves). Both APIs' request builders call it."""
+    return REST_OF_CONTEXT if configured is None else configured
+
+
 MAX_SEED = 2**64 - 1
 # The widest draft block any drafter takes (K): the ceiling of the config's
 # speculation.max_num_speculative_tokens, and the draft service's bound on the wire.

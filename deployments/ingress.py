@@ -42,11 +42,11 @@ from cactus.errors import (
 )
 from cactus.params import (
     MAX_REQUEST_ID_CHARS,
-    REST_OF_CONTEXT,
     GenerationRequest,
     Limits,
     SamplingParams,
     SpeculationParams,
+    default_max_tokens,
     too_long,
     validate_request,
 )
@@ -82,13 +82,6 @@ def limits_from(config: ServeConfig, *, vocab_size: int, max_context: int) -> Li
     )
 
 
-def default_max_tokens(config: ServeConfig) -> int:
-    """max_tokens for a request that sets none (null in the config: the rest of the
-    context, which `tokenize(fit_max_tokens=True)` cuts to what the prompt leaves)."""
-    value = config.sampling.default_max_tokens
-    return REST_OF_CONTEXT if value is None else value
-
-
 def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationRequest:
     """Wire request -> GenerationRequest, unset fields filled from the config."""
     rid = msg.request_id
@@ -100,7 +93,9 @@ def to_request(msg: pb.GenerateRequest, config: ServeConfig) -> GenerationReques
         )
     s, sp = msg.sampling, msg.speculation
     sampling = SamplingParams(
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens(config),
+        max_tokens=s.max_tokens
+        if s.HasField("max_tokens")
+        else default_max_tokens(config.sampling.default_max_tokens),
         temperature=s.temperature
         if s.HasField("temperature")
         else config.sampling.default_temperature,

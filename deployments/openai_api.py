@@ -43,10 +43,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
 from cactus.params import (
     MAX_LOGPROBS,
-    REST_OF_CONTEXT,
     GenerationRequest,
     SamplingParams,
     SpeculationParams,
+    default_max_tokens,
 )
 from deployments.metrics import failure_reason
 
@@ -422,8 +422,8 @@ def to_request(
     prompt is set by the caller)."""
     s, sp = config.sampling, config.speculation
     max_tokens = _number(body, max_tokens_field, None, integer=True)
-    if max_tokens is None:  # unset: the config's default (null: the rest of the context)
-        default = REST_OF_CONTEXT if s.default_max_tokens is None else s.default_max_tokens
+    if max_tokens is None:
+        default = default_max_tokens(s.default_max_tokens)
         max_tokens = _number(body, "max_tokens", default, integer=True)
     seed = _number(body, "seed", None, integer=True)
     if seed is not None and -(2**63) <= seed < 0:  # vLLM takes signed 64-bit seeds: the
