@@ -84,14 +84,16 @@ bench: setup
 	$(PY) -m benchmarks.run $(if $(filter 1 yes true,$(QUICK)),--quick,)
 
 CONFIG ?= configs/default.yaml
-# The gRPC port: PORT= if given, else the config's grpc_port (9000 in the shipped configs).
-GRPC_PORT = $(or $(PORT),$(shell $(PY) -c 'from configs.schema import load_config; print(load_config("$(CONFIG)").grpc_port)' 2>/dev/null),9000)
+# The gRPC port: PORT= if given, else the config's grpc_port (9000 in the shipped configs);
+# empty when CONFIG cannot be read, which make stop refuses (never another port's server).
+# With no virtual environment (nothing set up, so no server) it is 9000.
+GRPC_PORT = $(or $(PORT),$(if $(wildcard $(PY)),$(shell $(PY) -m configs.schema --grpc-port "$(CONFIG)" 2>/dev/null),9000))
 # Serve the embedded models: local Ray head on loopback, gRPC on the config's grpc_port or
 # PORT (every interface: Ray Serve's gRPC proxy cannot bind one), OpenAI HTTP on
 # 127.0.0.1 (config http_host, http_port or HTTP_PORT).
 # Ctrl-C shuts everything down; `make stop` stops a detached run.
 serve: setup
-	$(PY) -m deployments.serve --config $(CONFIG) $(if $(PORT),--port $(PORT),) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
+	$(PY) -m deployments.serve --config "$(CONFIG)" $(if $(PORT),--port $(PORT),) $(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
 
 # Stops the server on GRPC_PORT (one pid file per gRPC port): SIGINT, which drains, then
 # a bounded wait. A server still there after STOP_TIMEOUT seconds (default: the config's
@@ -105,6 +107,8 @@ STOP_TIMEOUT ?=
 stop:
 	@case "$(STOP_TIMEOUT)" in *[!0-9]*) \
 	  echo "STOP_TIMEOUT must be a whole number of seconds, got '$(STOP_TIMEOUT)'" >&2; exit 2;; esac; \
+	if [ -z "$(GRPC_PORT)" ]; then $(PY) -m configs.schema --grpc-port "$(CONFIG)" >/dev/null; \
+	  echo "make stop: no gRPC port: CONFIG=$(CONFIG) cannot be read; fix it or give PORT=" >&2; exit 2; fi; \
 	pid=$(CACHE)/serve-$(GRPC_PORT).pid; p=$$(cat $$pid 2>/dev/null); \
 	if [ -n "$$p" ] && kill -0 $$p 2>/dev/null; then \
 	  args=$$(tr '\0' ' ' < /proc/$$p/cmdline 2>/dev/null || ps -ww -o args= -p $$p 2>/dev/null); \

@@ -15,6 +15,7 @@ models/draft) unless other checkpoint folders are given; `client` calls a runnin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +26,13 @@ from cactus.environment import DEFAULT_DRAFT, DEFAULT_VERIFIER
 
 
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion")
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion",
+        # its sampling defaults (temperature 0.6, top-p 0.95, top-k 20: the benchmarks')
+        # are not a server's (`cactus client` leaves them to the server): --help says so
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--prompt", required=True)
     p.add_argument(
         "--rule", default="cactus", help="none, sps, cactus, cactus_exact or tas (default cactus)"
@@ -85,6 +92,8 @@ def _client_parser(sub) -> None:
         "--max-tokens", type=int, default=None, help="unset: sampling.default_max_tokens"
     )
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=None, help="(repeatable)")
+    p.add_argument("--max-divergence-nats", type=float, default=None, help="unset: none")
     p.add_argument(
         "--stream", action="store_true", help="print text as it is produced (GenerateStream)"
     )
@@ -113,9 +122,11 @@ def client_kwargs(args) -> dict:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop,
+        "stop_token_ids": args.stop_token_id,
         "rule": args.rule,
         "delta": args.delta,
         "num_speculative_tokens": args.k,
+        "max_divergence_nats": args.max_divergence_nats,
     }
 
 
@@ -171,9 +182,11 @@ def client(args) -> int:
             print()
             if args.json:
                 print(json.dumps(reply_json(chunks)))
+            finish = chunks[-1].finish_reason if chunks else ""
         else:
             reply = c.generate(args.prompt, **kw)
             print(json.dumps(reply_json([reply])) if args.json else reply.text)
+            finish = reply.finish_reason
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
@@ -183,6 +196,22 @@ def client(args) -> int:
     finally:
         if c is not None:
             c.close()
+    return _cut_short(finish)
+
+
+def _cut_short(finish_reason: str) -> int:
+    """The exit status of a result: a text the server cut short says so on stderr (the
+    text printed is what there was); ABORT, an engine that ended it without a result, is
+    1, a time limit 0 (the request's own limit, as "length" over HTTP)."""
+    if finish_reason == "TIME_LIMIT":
+        print(
+            "note: finish_reason TIME_LIMIT: the time limit (--timeout, or the server's "
+            "limits.request_timeout_s) ended the text early",
+            file=sys.stderr,
+        )
+    elif finish_reason == "ABORT":
+        print("error: finish_reason ABORT: the server ended the text early", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -236,7 +265,8 @@ def generate(args) -> int:
     _quiet()
     import torch
 
-    from cactus.errors import CactusError, InvalidRequestError
+    from cactus.errors import CactusError, InvalidRequestError, unwrap
+    from cactus.params import Limits, validate_request
     from workers.local import local_engine
 
     if args.threads < 0:
@@ -258,23 +288,46 @@ def generate(args) -> int:
     try:
         request = build_request(args)
         if args.backend == "ray":
+            # the fields' own ranges before a Ray head and the engine group start (the
+            # context checks need the model's limits: rank 0 makes them)
+            validate_request(request, Limits(max_context=sys.maxsize, vocab_size=sys.maxsize))
             result = _run_ray(args, request)
         else:
             engine = local_engine(args.verifier, args.draft, dtype=args.dtype)
             result = _consume(engine.stream(request), args.stream)
-    except (InvalidRequestError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except CactusError as err:  # the engine did not start (EngineStartError), ...
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:  # stdout's reader went away: main ends quietly
+        raise
+    except Exception as err:
+        # an error raised in a Ray actor arrives wrapped, its text the remote traceback
+        err = unwrap(err)
+        if isinstance(err, (InvalidRequestError, ValueError, OSError)):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        if isinstance(err, CactusError):  # the engine did not start (EngineStartError), ...
+            print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+            return 1
+        if args.backend == "ray" and _is_ray_error(err):
+            print(f"error: {type(err).__name__}: {_first_line(err)}", file=sys.stderr)
+            return 1
+        raise
     if args.stream:
         print()
     if args.json:
         print(json.dumps(result_json(result)))
     elif not args.stream:
         print(result.text)
-    return 0
+    return _cut_short(result.finish_reason)
+
+
+def _is_ray_error(err: BaseException) -> bool:
+    from ray.exceptions import RayError
+
+    return isinstance(err, RayError)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _consume(chunks, stream: bool):
@@ -328,13 +381,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done; 2 a bad value; 1 any other error; 130 Ctrl-C; 141 stdout's
+    reader went away (`| head`), as a shell reports a process SIGPIPE ended."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "generate":
-        return generate(args)
-    if args.command == "client":
-        return client(args)
+    _replace_unencodable(sys.stdout)
+    try:
+        if args.command == "generate":
+            return generate(args)
+        if args.command == "client":
+            return client(args)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return 141
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     parser.error(f"unknown command {args.command!r}")  # exits 2; argparse refuses it first
+
+
+def _replace_unencodable(stream) -> None:
+    """Text the terminal's encoding cannot show (PYTHONIOENCODING=ascii, a C locale) is
+    printed escaped (\\xe9), not an error halfway through a stream."""
+    reconfigure = getattr(stream, "reconfigure", None)
+    if reconfigure is not None:
+        with contextlib.suppress(OSError, ValueError):
+            reconfigure(errors="backslashreplace")
+
+
+def _stdout_to_devnull() -> None:
+    """After a broken pipe, what is left in stdout's buffer cannot be written: point the
+    descriptor at /dev/null so that Python's flush at exit neither fails nor says so (the
+    recipe in Python's documentation of SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real descriptor (a test's capture)
+        pass
 
 
 if __name__ == "__main__":

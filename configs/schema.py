@@ -595,5 +595,11 @@ if __name__ == "__main__":
         README.write_text(readme_with_table(README.read_text()))
     elif len(sys.argv) == 3 and sys.argv[1] == "--stop-timeout":  # make stop's default bound
         print(int(load_config(sys.argv[2]).recovery.drain_timeout_s) + 60)
+    elif len(sys.argv) == 3 and sys.argv[1] == "--grpc-port":  # make stop's port
+        try:
+            print(load_config(sys.argv[2]).grpc_port)
+        except (ValueError, OSError) as err:  # ConfigError is a ValueError
+            print(f"config error: {err}", file=sys.stderr)
+            sys.exit(2)
     else:
         print(config_table())

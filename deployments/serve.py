@@ -174,6 +174,30 @@ def unreachable_ray_address() -> str | None:
     return None
 
 
+def _whole_cpus(text: str) -> int:
+    """--num-cpus: Ray sizes a head in whole CPUs, >= 1 (0 would place no actor, for
+    ever); refused by argparse (exit 2, naming the flag) before a head starts."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def running_server(path: Path) -> int | None:
+    """The pid in a server's pid file, if that process is alive and is a launcher (`make
+    stop`'s own check: a pid left by a SIGKILLed server may have been reused)."""
+    try:
+        pid = int(path.read_text().strip())
+        os.kill(pid, 0)
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except (OSError, ValueError):
+        return None
+    return pid if pid != os.getpid() and b"deployments.serve" in args else None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
@@ -181,9 +205,10 @@ def main(argv=None) -> int:
     parser.add_argument("--http-port", type=int, default=None, help="HTTP port (overrides config)")
     parser.add_argument(
         "--num-cpus",
-        type=float,
+        type=_whole_cpus,
         default=None,
-        help="CPUs of the Ray head it starts (default: all; not when joining a cluster)",
+        help="CPUs of the Ray head it starts, a whole number >= 1 (default: all; not when "
+        "joining a cluster)",
     )
     args = parser.parse_args(argv)
 
@@ -201,6 +226,17 @@ def main(argv=None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     config = with_resolved_token(config)
+    other = running_server(pidfile(config.grpc_port))
+    if other is not None:
+        # its pid file would be overwritten (and removed when this one exits): `make
+        # stop` could no longer reach it, and this one could not bind its port anyway
+        print(
+            f"config error: a server already runs on gRPC port {config.grpc_port} (pid "
+            f"{other}): stop it with `make stop PORT={config.grpc_port}`, or give this one "
+            "another --port",
+            file=sys.stderr,
+        )
+        return 2
     environment.apply()
     import ray
     from ray import serve
@@ -337,8 +373,17 @@ def main(argv=None) -> int:
         if running or not _started_head(ray):
             serve.shutdown()
         ray.shutdown()
-        pidfile(config.grpc_port).unlink(missing_ok=True)
+        _remove_own_pidfile(pidfile(config.grpc_port))
     return 0
+
+
+def _remove_own_pidfile(path: Path) -> None:
+    """Removes the pid file if it is still this process's (never another server's)."""
+    try:
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -103,8 +103,10 @@ def _accept_torch(
     # The verifier's probabilities set the device (drafts may arrive on the CPU).
     ids = draft_token_ids.to(device=device, dtype=torch.int64)
     draft_probs, uniforms = draft_probs.to(device), uniforms.to(device)
-    q_n = target_probs[:, :k].gather(-1, ids[..., None])[..., 0]  # [B, K]
-    p_n = draft_probs.gather(-1, ids[..., None])[..., 0]  # [B, K]
+    # at most 1: a probability rounded just above it (a caller's own softmax) would make
+    # d(q || q) NaN and cactus at delta 0 differ from sps (both backends clamp alike)
+    q_n = target_probs[:, :k].gather(-1, ids[..., None])[..., 0].clamp(max=1.0)  # [B, K]
+    p_n = draft_probs.gather(-1, ids[..., None])[..., 0].clamp(max=1.0)  # [B, K]
     if metadata.rule == "tas":
         return _accept_typical(target_probs, ids, q_n, uniforms[:, k], metadata)
 

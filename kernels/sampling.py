@@ -73,6 +73,11 @@ def processed_probs(
     # Two more [B, R, V] passes only when some row is greedy (decided on the host copy).
     if bool((torch.as_tensor(temperature).cpu() < GREEDY_EPS).any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
+        # a row whose logits hold NaN or inf is NaN, as softmax makes it for any other
+        # temperature (argmax would pick the NaN and hide it: the callers' checks of the
+        # row's sum must see it)
+        bad = ~torch.isfinite(flat.amax(-1, keepdim=True))  # [B, R, 1]
+        one_hot = one_hot.masked_fill(bad, float("nan"))
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs.reshape(logits.shape)
 
@@ -105,8 +110,14 @@ def _truncate(
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Keep token i if the mass strictly before it is below top_p: the smallest prefix
     # whose sum is >= top_p. The first token is always kept.
+    # A row with top_p 1 keeps every token top-k kept: in float32 the mass before a
+    # token of a tail below ~3e-8 rounds to 1.0, which `< 1.0` would drop.
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep_p = (mass_before < top_p[:, None, None]) | (rank[None, None, :] == 0)
+    keep_p = (
+        (mass_before < top_p[:, None, None])
+        | (rank[None, None, :] == 0)
+        | (top_p[:, None, None] >= 1.0)
+    )
     sorted_logits = sorted_logits.masked_fill(~keep_p, float("-inf"))
     if width < vocab:  # only the candidates can have mass: softmax them, scatter into zeros
         kept = torch.softmax(sorted_logits, dim=-1)  # [B, R, width]

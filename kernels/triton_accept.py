@@ -173,8 +173,9 @@ def accept_kernel(
     q_j = tl.zeros((), dtype=tl.float64)
     for i in range(K):
         n = tl.load(ids_ptr + b * K + i)
-        q_n = tl.load(target_ptr + (b * (K + 1) + i) * V + n).to(tl.float64)
-        p_n = tl.load(draft_ptr + (b * K + i) * V + n).to(tl.float64)
+        # at most 1, as the torch path clamps them
+        q_n = tl.minimum(tl.load(target_ptr + (b * (K + 1) + i) * V + n).to(tl.float64), 1.0)
+        p_n = tl.minimum(tl.load(draft_ptr + (b * K + i) * V + n).to(tl.float64), 1.0)
         u = tl.load(uni_ptr + b * (K + 1) + i)
         if RULE == 3:
             ent = entropy(target_ptr + (b * (K + 1) + i) * V, V, BLOCK)

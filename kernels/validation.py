@@ -93,23 +93,33 @@ def check_delta(delta: float | torch.Tensor, batch: int) -> None:
         raise ValueError(f"delta: must be a finite number >= 0, got {delta!r}")
 
 
-def check_budget(budget: torch.Tensor | None, batch: int) -> None:
+def check_budget(budget: torch.Tensor | None, batch: int, *, values: bool = True) -> None:
+    """The shape always (a wrong one broadcasts in torch and reads past the end in
+    Triton); the values (a device sync) only when `values`."""
     if budget is None:
         return
     if not isinstance(budget, torch.Tensor) or tuple(budget.shape) != (batch,):
         raise ValueError(f"divergence_budget: expected a [{batch}] tensor")
+    if not values:
+        return
     if bool(torch.isnan(budget).any()) or bool((budget < 0).any()):
         raise ValueError("divergence_budget: must be >= 0 (inf = no ceiling), not NaN")
 
 
-def check_uniforms(uniforms: torch.Tensor | None, batch: int, k: int) -> None:
+def check_uniforms(
+    uniforms: torch.Tensor | None, batch: int, k: int, *, values: bool = True
+) -> None:
+    """The shape always (Triton would read a missing column past the end); the values
+    only when `values`."""
     if uniforms is None:
         return
-    if tuple(uniforms.shape) != (batch, k + 1):
+    if not isinstance(uniforms, torch.Tensor) or tuple(uniforms.shape) != (batch, k + 1):
         raise ValueError(
             f"uniforms: expected shape [{batch}, {k + 1}] (K acceptance draws + one for the "
-            f"recovered or bonus token), got {tuple(uniforms.shape)}"
+            f"recovered or bonus token), got {tuple(getattr(uniforms, 'shape', ()))}"
         )
+    if not values:
+        return
     if not bool(((uniforms >= 0) & (uniforms < 1)).all()):
         raise ValueError("uniforms: values must lie in [0, 1)")
 
@@ -136,9 +146,10 @@ def check_arguments(
     check_delta(metadata.delta, batch)
     if metadata.rule == "tas":
         check_tas(metadata.tas_threshold, metadata.tas_alpha)
+    # shapes always (the docstring of AcceptMetadata.validate), values when asked
+    check_uniforms(metadata.uniforms, batch, k, values=metadata.validate)
+    check_budget(metadata.divergence_budget, batch, values=metadata.validate)
     if metadata.validate:
-        check_uniforms(metadata.uniforms, batch, k)
-        check_budget(metadata.divergence_budget, batch)
         check_values(draft_token_ids, draft_probs, target_probs, vocab)
     return batch, k, vocab
 

@@ -239,6 +239,23 @@ def test_make_stop_never_signals_a_process_that_is_not_a_server():
         pid.unlink(missing_ok=True)
 
 
+def test_make_stop_with_a_config_it_cannot_read_refuses(tmp_path):
+    """`make stop CONFIG=<typo>` fell back to port 9000 and stopped the server there,
+    which may be another one than meant: it now fails (exit 2) naming the config, and
+    signals nothing."""
+    missing = tmp_path / "nope.yaml"
+    out = subprocess.run(
+        ["make", "-s", "stop", f"CONFIG={missing}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"CONFIG={missing} cannot be read" in out.stderr, out.stderr
+    assert "config error:" in out.stderr and "port" not in out.stdout, out.stdout
+
+
 def test_make_stops_wait_is_bounded_by_the_configs_drain_time(tmp_path):
     """STOP_TIMEOUT's default is the config's recovery.drain_timeout_s + 60, read after
     the SIGINT is sent (make expands a recipe before running it: a $(shell) bound delayed

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,7 +20,7 @@ from client.cli import build_parser, client_kwargs, main, result_json
 from deployments.ingress import result_pb  # the server's own reply of a result
 from protos.cactus.v1 import cactus_pb2 as pb
 from protos.cactus.v1 import cactus_pb2_grpc as pb_grpc
-from workers.request import GenerationResult, SpecStats
+from workers.request import GenerationChunk, GenerationResult, SpecStats
 
 
 def test_generate_prints_one_json_result(capsys):
@@ -72,6 +77,10 @@ REFUSED = {
 }
 
 
+# the prompts answered with another text and finish_reason
+SPECIAL = {"accent": ("café", "LENGTH"), "late": ("cut", "TIME_LIMIT"), "abort": ("a", "ABORT")}
+
+
 class Recorder(pb_grpc.CactusServicer):
     """Answers every request with RESULT (streamed in two chunks, as the server splits
     it: the last carries finish_reason, usage, seed and stats), keeping each as received;
@@ -89,11 +98,23 @@ class Recorder(pb_grpc.CactusServicer):
 
     def Generate(self, request, context):
         self._refuse(request, context)
-        return result_pb(RESULT)
+        reply = result_pb(RESULT)
+        if request.prompt in SPECIAL:
+            reply.text, reply.finish_reason = SPECIAL[request.prompt]
+        return reply
 
     def GenerateStream(self, request, context):
         self._refuse(request, context)
         full = result_pb(RESULT)
+        if request.prompt == "slow":  # 50 chunks over about 2.5 s
+            for i in range(50):
+                time.sleep(0.05)
+                yield pb.GenerateResponse(request_id=full.request_id, text=f"chunk {i}\n")
+            return
+        if request.prompt in SPECIAL:
+            text, finish = SPECIAL[request.prompt]
+            yield pb.GenerateResponse(request_id=full.request_id, text=text, finish_reason=finish)
+            return
         yield pb.GenerateResponse(request_id=full.request_id, text="o", token_ids=[1])
         last = pb.GenerateResponse(request_id=full.request_id, text="k", token_ids=[2])
         last.finish_reason = full.finish_reason
@@ -282,3 +303,136 @@ def test_cactus_without_a_command_exits_2_with_its_usage(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: cactus") and "generate" in err and "client" in err
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*argv: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "client.cli", *argv],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **popen,
+    )
+
+
+def test_a_stream_piped_to_head_ends_quietly_with_141(recorder):
+    """`cactus client --stream | head -c 1`: the reader goes away after a byte; the
+    command ends without a traceback or Python's "Exception ignored" at exit, with 141,
+    the status a shell gives a process SIGPIPE ended (it gave a BrokenPipeError
+    traceback and 120)."""
+    _, address = recorder
+    proc = _cli("client", "--address", address, "--prompt", "slow", "--stream")
+    assert proc.stdout.read(1) == b"c"
+    proc.stdout.close()  # the pipe's reader is gone; the stream goes on for ~2 s
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_generate_whose_stdout_breaks_ends_with_141(monkeypatch, capsys):
+    """`cactus generate --stream | head`: a write to the closed pipe ends the command
+    with 141, not 2 and "error: [Errno 32] Broken pipe" (it was caught as a bad field's
+    OSError)."""
+    import workers.local
+
+    class Engine:
+        def stream(self, request):
+            for text in ("a", "b", "c"):
+                yield GenerationChunk(request_id="r", token_ids=(1,), text=text)
+
+    class Broken:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(workers.local, "local_engine", lambda *a, **k: Engine())
+    monkeypatch.setattr(sys, "stdout", Broken())
+    assert main(["generate", "--prompt", "x", "--stream"]) == 141
+
+
+def test_ctrl_c_during_a_stream_says_interrupted_and_exits_130(recorder, monkeypatch, capsys):
+    _, address = recorder
+
+    def stream(self, prompt, **kw):
+        yield pb.GenerateResponse(text="partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CactusClient, "stream", stream)
+    assert main(["client", "--address", address, "--prompt", "x", "--stream"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "partial" and captured.err == "\ninterrupted\n", captured
+
+
+def test_text_the_terminal_cannot_encode_is_printed_escaped(recorder):
+    """PYTHONIOENCODING=ascii (a C locale): "café" is printed as caf\\xe9, exit 0 (it was
+    a UnicodeEncodeError reported as a bad field, exit 2), unary and stream."""
+    _, address = recorder
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    for stream in ([], ["--stream"]):
+        proc = _cli("client", "--address", address, "--prompt", "accent", *stream, env=env)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()
+        assert out == b"caf\\xe9\n", out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_text_cut_short_says_so(recorder, capsys, stream):
+    """A time limit ends the text early: printed, a note on stderr, exit 0 (as
+    "length"); ABORT (an engine that ended it without a result) exits 1."""
+    _, address = recorder
+    base = ["client", "--address", address, *(["--stream"] * stream), "--prompt"]
+    assert main([*base, "late"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "cut" and "finish_reason TIME_LIMIT" in captured.err
+    assert main([*base, "abort"]) == 1
+    assert "error: finish_reason ABORT" in capsys.readouterr().err
+    assert main([*base, "x"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_client_sends_stop_token_ids_and_a_divergence_ceiling(recorder, capsys):
+    """The two fields `cactus generate` had and `cactus client` did not."""
+    servicer, address = recorder
+    argv = ["client", "--address", address, "--prompt", "x"]
+    flags = ["--stop-token-id", "7", "--stop-token-id", "9", "--max-divergence-nats", "2.5"]
+    assert main([*argv, *flags]) == 0
+    msg = servicer.received[-1]
+    assert list(msg.sampling.stop_token_ids) == [7, 9]
+    assert msg.speculation.max_divergence_nats == 2.5
+
+
+def test_generate_with_ray_refuses_a_bad_field_before_ray_starts(monkeypatch, capsys):
+    """`cactus generate --backend ray --temperature 5` started a Ray head and the whole
+    engine group, then printed the actor's remote traceback: now one line naming the
+    field, and nothing starts."""
+    import client.cli as cli
+
+    monkeypatch.setattr(cli, "_run_ray", lambda *a: pytest.fail("Ray started"))
+    assert main(["generate", "--backend", "ray", "--prompt", "x", "--temperature", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: temperature") and err.count("\n") == 1, err
+
+
+def test_generate_with_ray_prints_the_remote_error_not_its_traceback(monkeypatch, capsys):
+    """An error raised in an actor arrives wrapped (a RayTaskError whose text is the
+    remote traceback, its `cause` the error): the command prints the error's own line."""
+    import client.cli as cli
+    from cactus.errors import InvalidRequestError
+
+    class Wrapped(Exception):
+        def __init__(self, cause):
+            super().__init__("ray::Rank0.stream()\nTraceback (most recent call last):\n ...")
+            self.cause = cause
+
+    def run(args, request):
+        raise Wrapped(InvalidRequestError("max_tokens", "does not fit"))
+
+    monkeypatch.setattr(cli, "_run_ray", run)
+    assert main(["generate", "--backend", "ray", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: max_tokens") and "Traceback" not in err, err

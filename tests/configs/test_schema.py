@@ -271,6 +271,60 @@ def test_serve_with_num_cpus_says_it_cannot_join_a_cluster_with_them(tmp_path):
     assert "127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("value", ["1.5", "0", "-1", "nan"])
+def test_serve_refuses_num_cpus_that_are_not_a_whole_number_of_cpus(value, capsys):
+    """Ray sizes a head in whole CPUs: 1.5 or -1 was Ray's own error after its GCS had
+    started (a traceback, exit 1) and 0 a head that placed nothing, for ever. Refused
+    first, naming the flag (argparse: exit 2)."""
+    from deployments.serve import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--num-cpus", value])
+    assert exited.value.code == 2
+    assert "--num-cpus: must be a whole number >= 1" in capsys.readouterr().err
+
+
+def test_a_second_launcher_on_a_port_in_use_refuses_and_leaves_the_pid_file(capsys):
+    """Two `make serve` on one port: the second overwrote the first's pid file, then
+    removed it at exit, and `make stop` could no longer reach the first. It now refuses
+    (exit 2, before Ray starts) and leaves the file as it was; a pid file whose process
+    is gone or is not a server does not stop a start."""
+    import subprocess
+    import sys
+
+    from deployments.serve import _remove_own_pidfile, main, pidfile, running_server
+    from workers.tp_verifier import free_port
+
+    port = free_port()
+    path = pidfile(port)
+    path.parent.mkdir(exist_ok=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)  # stands in for deployments.serve"]
+    )
+    try:
+        path.write_text(str(first.pid))
+        assert main(["--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"a server already runs on gRPC port {port} (pid {first.pid})" in err, err
+        assert f"make stop PORT={port}" in err
+        assert path.read_text() == str(first.pid)
+        _remove_own_pidfile(path)  # another process's file is never removed
+        assert path.read_text() == str(first.pid)
+        first.kill()
+        first.wait(timeout=10)
+        assert running_server(path) is None  # gone: a stale file
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            path.write_text(str(other.pid))
+            assert running_server(path) is None  # alive, not a server
+        finally:
+            other.kill()
+            other.wait(timeout=10)
+    finally:
+        first.kill()
+        path.unlink(missing_ok=True)
+
+
 def test_serve_refuses_a_grpc_message_size_exported_unlike_the_config():
     """Serve's gRPC proxies read RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: exported with a value
     other than `limits.max_message_bytes`, one of the two would be ignored, so the

@@ -337,3 +337,42 @@ def test_tas_alpha_changes_what_is_accepted():
         for alpha in (0.0, None, 50.0)
     ]
     assert counts[0] > counts[1] >= counts[2], counts
+
+
+@pytest.mark.parametrize(
+    ("name", "override"),
+    [
+        ("divergence_budget", {"divergence_budget": torch.tensor([0.1], dtype=torch.float64)}),
+        ("uniforms", {"uniforms": torch.zeros(2, 3, dtype=torch.float64)}),  # no bonus column
+    ],
+)
+def test_shapes_are_checked_with_validate_off(name, override):
+    """validate=False skips the value scans only (AcceptMetadata's docstring): a [1]
+    budget for 2 rows was broadcast silently in torch (and read past the end in Triton),
+    a missing bonus column of uniforms read out of bounds."""
+    with pytest.raises(ValueError, match=name):
+        speculative_accept(**_args(**override), validate=False)
+
+
+def above_one_case():
+    """q_n and p_n a float32 rounding above 1 (a caller's own softmax), and a uniform
+    just below 1: u * p_n < q_n, but not < min(q_n, 1)."""
+    over = 1.0 + 2.0**-23
+    ids = torch.tensor([[0]])
+    draft = torch.tensor([[[over, 0.0]]])
+    target = torch.tensor([[[over, 0.0], [0.5, 0.5]]])
+    uniforms = torch.tensor([[1.0 - 2.0**-30, 0.5]], dtype=torch.float64)
+    return ids, draft, target, uniforms
+
+
+def test_a_probability_rounded_above_one_counts_as_one():
+    """sps's divergence was NaN (d(q || q) with 1 - q < 0) and cactus at delta 0 rejected
+    what sps accepted; both backends now clamp q_n and p_n to 1."""
+    ids, draft, target, uniforms = above_one_case()
+    sps = speculative_accept(ids, draft, target, rule="sps", uniforms=uniforms)
+    assert torch.equal(sps.divergence_nats, torch.zeros(1, dtype=torch.float64))
+    assert int(sps.num_accepted[0]) == 1
+    for rule in ("cactus", "cactus_exact"):
+        ours = speculative_accept(ids, draft, target, rule=rule, delta=0.0, uniforms=uniforms)
+        assert torch.equal(ours.output_token_ids, sps.output_token_ids), rule
+        assert torch.equal(ours.divergence_nats, torch.zeros(1, dtype=torch.float64)), rule

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from scipy.stats import chisquare
@@ -114,3 +116,21 @@ def test_a_temperature_below_greedy_eps_is_greedy_not_an_overflow():
         assert torch.equal(probs, torch.eye(4)[[1, 0]]), (temperature, probs)
     warm = processed_probs(logits, temperature=GREEDY_EPS * 10)  # sampled, not one-hot
     assert torch.isfinite(warm).all() and torch.equal(warm.argmax(-1), torch.tensor([1, 0]))
+
+
+def test_top_p_one_keeps_every_token_top_k_keeps():
+    """A tail below ~3e-8 made the mass before it round to 1.0 in float32, and `< top_p`
+    dropped it at top_p 1: the spec keeps all top-k tokens when top-p is off."""
+    logits = torch.tensor([[0.0, -20.0, -30.0]])
+    probs = processed_probs(logits, temperature=1.0, top_k=2, top_p=1.0)
+    assert float(probs[0, 1]) > 0 and float(probs[0, 2]) == 0.0
+
+
+def test_a_greedy_row_of_non_finite_logits_is_nan_not_one_hot():
+    """argmax picks a NaN and hid it in a one-hot row: the drafter's check of each row's
+    sum let a greedy row of NaN logits through (the verifier checks the logits' amax).
+    Now such a row is NaN at any temperature; a finite row beside it is unchanged."""
+    logits = torch.tensor([[0.0, math.nan, 1.0], [0.0, 2.0, 1.0], [math.inf, 0.0, 0.0]])
+    probs = processed_probs(logits, temperature=0.0)
+    assert not torch.isfinite(probs[0].sum()) and not torch.isfinite(probs[2].sum())
+    assert torch.equal(probs[1], torch.tensor([0.0, 1.0, 0.0]))

@@ -101,6 +101,19 @@ def test_triton_delta_zero_equals_sps():
         assert torch.equal(sps.output_token_ids, ours.output_token_ids)
 
 
+def test_triton_counts_a_probability_rounded_above_one_as_one():
+    """The torch path's clamp of q_n and p_n, in the kernel: the same tokens, a
+    divergence of 0 (not NaN), and cactus at delta 0 equal to sps."""
+    from tests.kernels.test_rejection import above_one_case
+
+    ids, draft, target, uniforms = above_one_case()
+    for rule in ("sps", "cactus", "cactus_exact"):
+        want, got = _both(ids, draft, target, uniforms, rule=rule, delta=0.0)
+        assert torch.equal(want.output_token_ids, got.output_token_ids.cpu()), rule
+        assert int(got.num_accepted[0]) == 1, rule
+        assert float(got.divergence_nats[0]) == 0.0, rule
+
+
 def test_triton_rejects_bad_input():
     ids, draft, target, _ = random_case(0, batch=2, k=3, vocab=5)
     with pytest.raises(ValueError, match="delta"):
