@@ -1,6 +1,7 @@
 # Cactus speculative-decoding server. `make test` and `make serve` set everything up.
 SHELL := /bin/bash
-PYTHON ?= python3
+# Python 3.11, which the pins are for: python3.11 where it is installed, else python3
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip

@@ -463,8 +463,10 @@ class CactusIngress:
             return pb.ModelInfo()
         s = self.config.speculation
         return pb.ModelInfo(
-            verifier=self.config.models.verifier,
-            draft=self.config.models.draft,
+            # names, never the server's paths (serving.md: "model names"): the name the
+            # OpenAI API answers to, and the draft checkpoint's folder name
+            verifier=self.model_name,
+            draft=Path(self.config.models.draft).name,
             vocab_size=self.info["vocab_size"],
             max_context=self.info["max_context"],
             max_num_speculative_tokens=s.max_num_speculative_tokens,

@@ -462,7 +462,8 @@ def to_request(
         speculation=speculation,
         # OpenAI's (and vLLM's) id prefixes: the response's `id` is this request's
         request_id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
-        time_limit_s=config.limits.time_limit(_number(body, "time_limit_s", None)),
+        # 0 is none, as over gRPC (the proto's "0 = none")
+        time_limit_s=config.limits.time_limit(_number(body, "time_limit_s", None) or None),
     )
 
 

@@ -92,7 +92,10 @@ def test_models_completions_and_extras_with_the_official_client(ray_session):
 
 def test_the_server_request_timeout_caps_an_http_time_limit(ray_session):
     shim, app = _app(limits={"request_timeout_s": 5.0})
-    for extra, want in (({}, 5.0), ({"time_limit_s": 2.0}, 2.0), ({"time_limit_s": 30.0}, 5.0)):
+    cases = [({}, 5.0), ({"time_limit_s": 2.0}, 2.0), ({"time_limit_s": 30.0}, 5.0)]
+    # 0 is none, as the proto has it over gRPC (it was a 400 over HTTP): the ceiling
+    cases.append(({"time_limit_s": 0}, 5.0))
+    for extra, want in cases:
         body = {"model": "verifier", "prompt": "def f():", "max_tokens": 3, **extra}
         assert _raw(app, "POST", "/v1/completions", json=body).status_code == 200
         assert shim.engine.seen[-1].time_limit_s == want, (extra, shim.engine.seen[-1])

@@ -358,6 +358,12 @@ def test_health_and_model_info(server):
     assert info.vocab_size > 1000 and info.max_context >= 512 and info.tp_size == 2
     assert set(info.rules) == {"none", "sps", "cactus", "cactus_exact", "tas"}
     assert info.delta_ceiling == 4.0 and info.max_num_speculative_tokens == 8
+    # names, not the server's folders (serving.md): the verifier's is the OpenAI API's
+    # model id (the folder's name: no served_model_name here), the draft's its folder's
+    models = {m.id for m in server.openai().models.list().data}
+    verifier, draft = embedded_dirs()
+    assert models == {info.verifier} == {Path(verifier).name}, (models, info)
+    assert info.draft == Path(draft).name and "/" not in info.verifier + info.draft, info
 
 
 def test_unary_and_stream_equal_the_in_process_engine(server, embedded_engine, heldout_prompts):
