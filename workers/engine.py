@@ -616,9 +616,17 @@ class SpeculativeEngine:
         self.scheduler.remove(state)
         if self._live.get(state.id) is state:
             del self._live[state.id]
-        self.drafter.release(state.id)
-        self.verifier.release(state.id)
-        self.policy.forget(state.id)
+        try:
+            self.drafter.release(state.id)
+        except Exception:
+            # a drafter's error costs drafts, never requests: it must not skip the
+            # verifier's row (the scheduler no longer counts it: it would stay reserved
+            # and admission plan around it for good) nor end the step's other rows
+            log.exception("the drafter could not release request %s's row", state.id)
+        try:
+            self.verifier.release(state.id)
+        finally:
+            self.policy.forget(state.id)
 
     def _end(self, state: RequestState, error: BaseException) -> None:
         try:

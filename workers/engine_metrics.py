@@ -72,10 +72,11 @@ class EngineMetrics:
         take = getattr(engine.drafter, "take_round_trips", None)  # a remote drafter
         for seconds in take() if take is not None else ():
             self.round_trip.observe(seconds)
-        step = engine.last_step if batch_size else None
-        if step is not None:
+        # taken whatever the step did: a step that failed after its decode (batch 0) must
+        # not leave its record to be counted as the next step's
+        step, engine.last_step = engine.last_step, None
+        if step is not None and batch_size:
             self.batch.observe(batch_size)
-            engine.last_step = None
             chosen: Counter = Counter()
             predicted: Counter = Counter()
             realised: Counter = Counter()

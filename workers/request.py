@@ -236,9 +236,12 @@ class RequestState:
 
     @property
     def reserve_tokens(self) -> int:
-        """The most tokens this request's verifier row will ever hold. A step writes
-        committed - 1 + K + 1 tokens, and K is kept below the tokens still to come
-        (num_draft_tokens), so that is at most prompt + max_tokens - 1."""
+        """The KV slots this request reserves: prompt + max_tokens (capped by the
+        context). A step writes committed - 1 + K + 1 tokens, and K is kept below the
+        tokens still to come (num_draft_tokens), so the row holds at most prompt +
+        max_tokens - 1 of them: the one slot more is kept on purpose, the bound the
+        README and the ingress's KV-budget refusal state ("need prompt + max_tokens
+        KV slots")."""
         return min(self.max_context, self.prompt_len + self.request.sampling.max_tokens)
 
     @property

@@ -248,6 +248,43 @@ class _DyingDrafter:
         return self.inner.propose(rows)
 
 
+def test_a_drafter_release_that_raises_frees_the_verifier_row_and_ends_no_request(
+    embedded_engine, heldout_prompts
+):
+    """The drafter's release raised and _close stopped there: the verifier's row stayed
+    reserved while the scheduler no longer counted it (with one row, the next request
+    waited for good), and the step's exception ended every admitted request. Now the
+    drafter's error is logged: the step's rows all finish, the rows agree, and the
+    next request runs."""
+
+    class FlakyRelease:
+        def __init__(self, inner):
+            self.inner, self.failed = inner, False
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def release(self, request_id):
+            self.inner.release(request_id)
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("device error while freeing the draft row")
+
+    drafter = FlakyRelease(embedded_engine.drafter)
+    engine = SpeculativeEngine(
+        drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        scheduler=SchedulerConfig(max_num_seqs=1, policy="fixed"),
+    )
+    reqs = [_req(heldout_prompts[i], f"r{i}", temperature=0.0, max_tokens=6) for i in range(2)]
+    out = _run_together(engine, reqs)
+    assert drafter.failed
+    for r in reqs:
+        assert len(_result(out[r.request_id]).token_ids) == 6
+    assert embedded_engine.verifier.runner.num_sequences == engine.scheduler.num_rows == 0
+
+
 def test_dead_drafter_degrades_every_row_without_losing_a_token(embedded_engine, heldout_prompts):
     drafter = _DyingDrafter(embedded_engine.drafter, after=4)
     engine = SpeculativeEngine(drafter, embedded_engine.verifier, embedded_engine.tokenizer)
@@ -671,3 +708,35 @@ def test_a_request_whose_time_runs_out_while_it_waits_ends_then_and_frees_its_pl
     assert _result(out["after"]).token_ids  # admitted once the row freed
     assert engine.verifier.runner.num_sequences == 0
     assert engine.drafter.runner.num_sequences == 0
+
+
+def test_a_failed_steps_decode_record_is_never_counted_as_the_next_steps():
+    """A step that raised after its decode left `engine.last_step`; the loop records
+    batch 0 for it, which neither counted nor cleared it, and the next step (whose own
+    decode failed, recording nothing) counted it. Every record is now taken, once."""
+    from types import SimpleNamespace
+
+    from workers.engine import StepRecord
+    from workers.engine_metrics import EngineMetrics
+
+    counted: list = []
+    fake = SimpleNamespace(inc=lambda n, tags: counted.append((n, tags)), observe=counted.append)
+    metrics = EngineMetrics.__new__(EngineMetrics)  # its Ray metrics replaced by fakes
+    metrics.steps = 0
+    metrics.batch = metrics.round_trip = metrics.chosen_k = fake
+    metrics.predicted = metrics.realised = fake
+    metrics.running = metrics.waiting = SimpleNamespace(set=lambda v: None)
+    metrics.cancelled = {}
+    engine = SimpleNamespace(
+        drafter=SimpleNamespace(),
+        last_step=StepRecord(rules=["cactus"], ks=[4], accepted=[2], predicted=[3.0]),
+        cancelled_work=None,
+        scheduler=SimpleNamespace(num_rows=1, waiting=[]),
+    )
+    metrics.record(engine, 0)  # the failed step
+    assert engine.last_step is None and counted == []
+    metrics.record(engine, 3)  # a next step whose decode set no record
+    assert counted == []
+    engine.last_step = StepRecord(rules=["sps"], ks=[2], accepted=[1], predicted=[2.0])
+    metrics.record(engine, 1)
+    assert (1, {"rule": "sps", "k": "2"}) in counted and 1 in counted
