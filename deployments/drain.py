@@ -14,6 +14,20 @@ after the tokens already sent. Serve's kill stays the backstop, `CUT_MARGIN_S` l
 Kubernetes gives a pod the same shape: SIGTERM, `terminationGracePeriodSeconds` to
 finish, then SIGKILL; a server that handles the first ends its requests itself.
 
+Before it deletes the application, the launcher drains it itself (`start_drain`):
+it writes the drain's deadline (now + drain_timeout_s) under the application's key in
+Ray's KV store; every replica polls that key (every FLAG_POLL_S) from its first
+request or health check on, and once it sees it it refuses new requests with
+UNAVAILABLE ("the server is shutting down ... retry on another replica"; HTTP 503 with
+Retry-After: serving.md's status for a server that is draining, which clients retry
+elsewhere), says NOT_SERVING, lets its running requests finish until the deadline,
+cuts the rest then, and says in the KV store whether it still runs requests. The
+launcher deletes the application once no replica does, or at the deadline: a request
+that arrives during the drain gets UNAVAILABLE rather than the NOT_FOUND of Serve's
+proxy for an application already deleted (the short moment of the deletion itself
+excepted). An application deleted by other means (`serve delete`, a redeploy) is
+drained as before, from the moment a replica sees it DELETING.
+
 Serve gives a replica's code no sign that its own stop has begun, so a scale-down or a
 replica Serve replaces (the application is not being deleted then) still ends with
 Serve's kill after the drain time (README).
@@ -24,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from cactus.errors import ServerShuttingDownError
@@ -34,6 +49,11 @@ logger = logging.getLogger("cactus.ingress")
 # deletion (POLL_S), cut, and for the cut streams' last messages to reach the clients.
 CUT_MARGIN_S = 3.0
 POLL_S = 1.0
+# How often a replica reads the launcher's drain key (a small GCS read): a request that
+# reaches a replica this long after the drain began may still be admitted, and runs.
+FLAG_POLL_S = 0.25
+# Ray KV namespace of the drain keys: `<app>/deadline` (the launcher's), `<app>/busy/<replica>`
+KV_NAMESPACE = "cactus_drain"
 
 
 class DrainingEngine:
@@ -48,19 +68,28 @@ class DrainingEngine:
         drain_s: float = 0.0,
         deleting: Callable[[], bool] | None = None,
         poll_s: float = POLL_S,
+        drain_deadline: Callable[[], float | None] | None = None,
+        mark_busy: Callable[[bool], None] | None = None,
+        flag_poll_s: float = FLAG_POLL_S,
     ) -> None:
-        """`deleting`: asks whether the application is being deleted; with it, the
-        first request or health Watch starts `_watch_for_shutdown` on the replica's
-        event loop."""
+        """`deleting`: asks whether the application is being deleted; `drain_deadline`:
+        the launcher's drain deadline (time.time()) or None; `mark_busy`: says whether
+        this replica still runs requests during that drain. With either, the first
+        request, health Watch or health check starts `_watch_for_shutdown` on the
+        replica's event loop."""
         self.inner = engine
         self.running: set[str] = set()
         self.watches = 0  # open health Watch calls (they hold the drain too)
-        self.draining = False  # the application is being deleted
+        self.draining = False  # the application is being drained or deleted
+        self.refusing = False  # the launcher's drain: new requests are refused
         self.cut_reason: str | None = None
         self._cut: set[str] = set()
         self._drain_s = drain_s
         self._deleting = deleting
         self._poll_s = poll_s
+        self._drain_deadline = drain_deadline
+        self._mark_busy = mark_busy
+        self._flag_poll_s = flag_poll_s
         self._watch: asyncio.Task | None = None
 
     def __getattr__(self, name):  # model_info, cancel, ahealthy, stats, alive, group, ...
@@ -79,10 +108,22 @@ class DrainingEngine:
     def _admit(self) -> None:
         if self.cut_reason is not None:
             raise ServerShuttingDownError(self.cut_reason, refused=True)
+        if self.refusing:
+            raise ServerShuttingDownError(
+                "the server is shutting down: it takes no new requests while its running "
+                "ones finish; retry on another replica",
+                refused=True,
+            )
+        self._start_watch()
+
+    def start_watch(self) -> None:
+        """From Serve's health check too: a replica no request reached yet reads the
+        launcher's drain key from then on (its first request then meets a drain)."""
         self._start_watch()
 
     def _start_watch(self) -> None:
-        if self._deleting is not None and self._watch is None:
+        watched = self._deleting is not None or self._drain_deadline is not None
+        if watched and self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(self._watch_for_shutdown())
 
     @contextlib.contextmanager
@@ -138,31 +179,146 @@ class DrainingEngine:
                 raise ServerShuttingDownError(self.cut_reason)
 
     async def _watch_for_shutdown(self) -> None:
-        """While requests or health Watch calls run, ask every poll_s whether the
-        application is being deleted; once it is, set `draining` and cut the requests
-        still running drain_s later. Runs for the replica's life (a task on its event
-        loop); asks nothing while the replica is idle."""
+        """Every flag_poll_s, read the launcher's drain key (`_drain_until` once it is
+        there); while requests or health Watch calls run, ask every poll_s whether the
+        application is being deleted by other means, and once it is, set `draining` and
+        cut the requests still running drain_s later. Runs for the replica's life (a
+        task on its event loop); asks Serve's controller nothing while the replica is
+        idle."""
+        tick = self._flag_poll_s if self._drain_deadline is not None else self._poll_s
+        next_status = time.monotonic() + self._poll_s
         while True:
-            await asyncio.sleep(self._poll_s)
+            await asyncio.sleep(tick)
+            if self._drain_deadline is not None:
+                deadline = await self._ask(self._drain_deadline)
+                if deadline is not None:
+                    await self._drain_until(deadline)
+                    return
+            if self._deleting is None or time.monotonic() < next_status:
+                continue
+            next_status = time.monotonic() + self._poll_s
             if not self.running and not self.watches:
                 continue
-            try:
-                if not await asyncio.to_thread(self._deleting):
-                    continue
-            except Exception:  # the controller is busy or going away: ask again
-                logger.debug("shutdown watch: status unavailable", exc_info=True)
+            if not await self._ask(self._deleting):
                 continue
             self.draining = True  # open health Watch calls say NOT_SERVING and end
             logger.info("application deleted: requests get %.1f s to finish", self._drain_s)
             await asyncio.sleep(self._drain_s)
-            cut = self.cut(
-                "the server is shutting down: requests still running after the drain time "
-                f"(recovery.drain_timeout_s = {self._drain_s:g} s) are ended; retry on "
-                "another replica"
-            )
-            if cut:
-                logger.info("drain time is up: ended %d running requests", cut)
+            self._cut_the_rest()
             return
+
+    @staticmethod
+    async def _ask(question: Callable):
+        """A blocking question to Ray (the KV store, Serve's controller), off the event
+        loop; None when it cannot be answered now (asked again at the next poll)."""
+        try:
+            return await asyncio.to_thread(question)
+        except Exception:  # the GCS or the controller is busy or going away
+            logger.debug("shutdown watch: no answer", exc_info=True)
+            return None
+
+    async def _drain_until(self, deadline: float) -> None:
+        """The launcher's drain: refuse new requests, let running ones finish until
+        `deadline` (time.time()), cut the rest then; say whether this replica still runs
+        requests (the launcher deletes the application once none does)."""
+        self.refusing = self.draining = True
+        logger.info(
+            "the server drains: requests get %.1f s to finish", max(0.0, deadline - time.time())
+        )
+        published = None
+        while True:
+            busy = bool(self.running)
+            if busy != published and await self._publish(busy):
+                published = busy
+            left = deadline - time.time()
+            if not busy or left <= 0:
+                break
+            await asyncio.sleep(min(self._flag_poll_s, left))
+        if self.running:
+            self._cut_the_rest()
+            await asyncio.sleep(self._flag_poll_s)  # the cut requests' last messages
+        if published is not False:
+            await self._publish(False)
+
+    async def _publish(self, busy: bool) -> bool:
+        if self._mark_busy is None:
+            return True
+        try:
+            await asyncio.to_thread(self._mark_busy, busy)
+            return True
+        except Exception:  # the launcher then waits for the deadline: nothing is lost
+            logger.debug("drain: could not say busy=%s", busy, exc_info=True)
+            return False
+
+    def _cut_the_rest(self) -> None:
+        cut = self.cut(
+            "the server is shutting down: requests still running after the drain time "
+            f"(recovery.drain_timeout_s = {self._drain_s:g} s) are ended; retry on "
+            "another replica"
+        )
+        if cut:
+            logger.info("drain time is up: ended %d running requests", cut)
+
+
+def _deadline_key(app_name: str) -> str:
+    return f"{app_name}/deadline"
+
+
+def _busy_prefix(app_name: str) -> str:
+    return f"{app_name}/busy/"
+
+
+def drain_deadline(app_name: str) -> float | None:
+    """The launcher's drain deadline for `app_name` (time.time()), or None."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    value = _internal_kv_get(_deadline_key(app_name), namespace=KV_NAMESPACE)
+    return float(value) if value else None
+
+
+def mark_busy(app_name: str, replica: str, busy: bool) -> None:
+    """A replica's answer during the launcher's drain: it still runs requests or not."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    key = _busy_prefix(app_name) + replica
+    if busy:
+        _internal_kv_put(key, b"1", namespace=KV_NAMESPACE)
+    else:
+        _internal_kv_del(key, namespace=KV_NAMESPACE)
+
+
+def start_drain(app_name: str, drain_s: float) -> float:
+    """The launcher: every replica of `app_name` refuses new requests from now on and
+    has `drain_s` to finish its running ones. Returns the deadline (time.time())."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    deadline = time.time() + drain_s
+    _internal_kv_put(_deadline_key(app_name), str(deadline), namespace=KV_NAMESPACE)
+    return deadline
+
+
+def busy_replicas(app_name: str) -> int:
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    return len(_internal_kv_list(_busy_prefix(app_name), namespace=KV_NAMESPACE))
+
+
+def wait_drained(app_name: str, deadline: float, *, settle_s: float = 4 * FLAG_POLL_S) -> None:
+    """The launcher: wait until every replica has seen the drain (`settle_s`, four of
+    their polls: a replica that has not said it is busy by then is drained by Serve's
+    deletion instead, as before) and none still runs a request, or until the deadline
+    and the cut's margin have passed."""
+    time.sleep(settle_s)
+    while busy_replicas(app_name) and time.time() < deadline + CUT_MARGIN_S:
+        time.sleep(0.1)
+
+
+def clear_drain(app_name: str) -> None:
+    """Every drain key of `app_name`: before a start (a SIGKILLed launcher's would make
+    the new replicas refuse everything) and after the application's deletion."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(f"{app_name}/", del_by_prefix=True, namespace=KV_NAMESPACE)
 
 
 def application_deleting(app_name: str) -> bool:

@@ -51,7 +51,7 @@ from cactus.params import (
     validate_request,
 )
 from configs.schema import ServeConfig, from_dict
-from deployments.drain import DrainingEngine, application_deleting
+from deployments.drain import DrainingEngine, application_deleting, drain_deadline, mark_busy
 from deployments.metrics import ServiceMetrics, failure_reason
 from protos.cactus.v1 import cactus_pb2 as pb
 
@@ -269,15 +269,25 @@ class CactusIngress:
 
     def __init__(self, config: dict, engine=None) -> None:
         self.config = from_dict(config)
-        deleting = None
-        if engine is None:  # a real replica: end the drain with a status (deployments/drain)
+        watch = {}
+        if engine is None:  # a real replica: drain with statuses (deployments/drain)
             from ray import serve
 
-            deleting = functools.partial(application_deleting, serve.get_replica_context().app_name)
+            context = serve.get_replica_context()
+            app = context.app_name
+            watch = {
+                "deleting": functools.partial(application_deleting, app),
+                "drain_deadline": functools.partial(drain_deadline, app),
+                "mark_busy": functools.partial(
+                    mark_busy,
+                    app,
+                    f"{context.replica_id.deployment_id.name}:{context.replica_id.unique_id}",
+                ),
+            }
         self.engine = DrainingEngine(
             engine if engine is not None else self._start_engine(),
             drain_s=self.config.recovery.drain_timeout_s,
-            deleting=deleting,
+            **watch,
         )
         info = self.engine.model_info()
         self.info = info
@@ -549,6 +559,9 @@ class CactusIngress:
     async def check_health(self) -> None:
         """Serve's replica health check. A restarting engine is not a reason to replace
         the replica (the supervisor is on it); one the supervisor gave up on is."""
+        # the launcher's drain key is read from now on (deployments/drain.py): a replica
+        # no request reached yet refuses its first one during a drain
+        self.engine.start_watch()
         alive = getattr(self.engine, "alive", None)
         if alive is not None:
             # the supervisor's monitor (it probes the actors) starts on this loop: a

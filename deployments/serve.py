@@ -242,6 +242,7 @@ def main(argv=None) -> int:
     from ray import serve
 
     from deployments.app import build_app, replica_bundles, start_serve
+    from deployments.drain import clear_drain, start_drain, wait_drained
 
     # (with --num-cpus, Ray's own refusal to size a cluster it joins comes first, below)
     unreachable = unreachable_ray_address() if args.num_cpus is None else None
@@ -306,6 +307,9 @@ def main(argv=None) -> int:
         pid_path = pidfile(config.grpc_port)
         pid_path.parent.mkdir(exist_ok=True)
         pid_path.write_text(str(os.getpid()))
+        # a drain key left by a launcher that was SIGKILLed mid-drain would make this
+        # application's replicas refuse every request (deployments/drain.py)
+        clear_drain(config.app_name)
         start_serve(config)
         serve._run(build_app(config), name=config.app_name, route_prefix="/", _blocking=False)
         bundles = replica_bundles(config)
@@ -365,7 +369,13 @@ def main(argv=None) -> int:
             f"{config.recovery.drain_timeout_s:g}s)",
             flush=True,
         )
+        # The replicas refuse new requests (UNAVAILABLE, retried elsewhere) while their
+        # running ones finish; the application is deleted once none runs, or at the
+        # deadline, when each replica has cut what was left (deployments/drain.py).
+        deadline = start_drain(config.app_name, config.recovery.drain_timeout_s)
+        wait_drained(config.app_name, deadline)
         serve.delete(config.app_name)
+        clear_drain(config.app_name)
         print("drained", flush=True)
     finally:
         # A head this launcher started goes with ray.shutdown (Serve's controller too);

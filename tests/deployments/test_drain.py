@@ -354,3 +354,132 @@ def test_a_cut_ends_requests_waiting_for_a_restart():
         release.set()
     assert ended < 1.0, ended
     assert group.calls == 2  # neither started again
+
+
+def test_the_launchers_drain_refuses_new_requests_and_lets_running_ones_finish():
+    """The launcher writes a drain deadline before it deletes the application (serving.md:
+    UNAVAILABLE while draining, where Serve's proxy said NOT_FOUND): the replica refuses
+    new requests at once (UNAVAILABLE, never run), says NOT_SERVING (`draining`), lets
+    its running stream finish, and says busy while it runs, then not."""
+    flag: list = [None]
+    said: list[bool] = []
+
+    async def scenario():
+        engine = DrainingEngine(
+            EndlessEngine(finite=("done",)),
+            drain_s=5.0,
+            drain_deadline=lambda: flag[0],
+            mark_busy=said.append,
+            flag_poll_s=0.01,
+        )
+        engine.start_watch()  # Serve's health check: no request reached it yet
+        chunks: list = []
+        stream = asyncio.create_task(_collect(engine, _req("s"), chunks))
+        while len(chunks) < 3:
+            await asyncio.sleep(0.005)
+        flag[0] = time.time() + 5.0
+        while not engine.refusing:
+            await asyncio.sleep(0.005)
+        assert engine.draining and said == [True]
+        with pytest.raises(ServerShuttingDownError, match="takes no new requests") as info:
+            await engine.agenerate(_req("late"))
+        assert info.value.refused
+        assert not stream.done()  # it runs on
+        engine.inner.cancel("s")  # it ends (as a finished stream leaves the engine)
+        await asyncio.wait_for(stream, 1.0)
+        await asyncio.wait_for(engine._watch, 1.0)  # idle: the drain is over
+        return chunks
+
+    chunks = asyncio.run(scenario())
+    assert len(chunks) >= 3 and said == [True, False]
+
+
+def test_the_launchers_drain_cuts_what_runs_at_its_deadline():
+    said: list[bool] = []
+
+    async def scenario():
+        engine = DrainingEngine(
+            EndlessEngine(),
+            drain_s=0.3,
+            drain_deadline=lambda: deadline[0],
+            mark_busy=said.append,
+            flag_poll_s=0.01,
+        )
+        deadline = [None]
+        chunks: list = []
+        stream = asyncio.create_task(_collect(engine, _req("s"), chunks))
+        while len(chunks) < 2:
+            await asyncio.sleep(0.005)
+        deadline[0] = time.time() + 0.3
+        with pytest.raises(ServerShuttingDownError, match=r"drain_timeout_s = 0.3 s"):
+            await asyncio.wait_for(stream, 2.0)
+        cut_at = time.time()
+        await asyncio.wait_for(engine._watch, 1.0)
+        return cut_at - deadline[0]
+
+    late = asyncio.run(scenario())
+    assert -0.02 <= late < 0.5, late
+    assert said == [True, False]
+
+
+def test_a_drain_key_that_cannot_be_read_is_asked_again():
+    """A GCS that does not answer (busy, going away) is asked again at the next poll;
+    the replica serves meanwhile."""
+    answers = iter([RuntimeError("GCS busy"), None, time.time() + 5.0])
+
+    def deadline():
+        answer = next(answers, time.time() + 5.0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def scenario():
+        engine = DrainingEngine(
+            EndlessEngine(finite=("a",)), drain_deadline=deadline, flag_poll_s=0.01
+        )
+        await _collect(engine, _req("a"), [])  # served; starts the watch
+        await asyncio.wait_for(engine._watch, 1.0)
+        return engine.refusing
+
+    assert asyncio.run(scenario())
+
+
+def test_the_launchers_drain_keys_in_rays_kv_store(ray_session):
+    """The launcher's side, on a real Ray head: the deadline it writes is what replicas
+    read; it waits while a replica says busy (and not past the deadline), and clears
+    every key of its application, never another application's."""
+    import threading
+
+    from deployments.drain import (
+        busy_replicas,
+        clear_drain,
+        drain_deadline,
+        mark_busy,
+        start_drain,
+        wait_drained,
+    )
+
+    clear_drain("app-a")
+    clear_drain("app-b")
+    assert drain_deadline("app-a") is None
+    deadline = start_drain("app-a", 30.0)
+    assert drain_deadline("app-a") == pytest.approx(deadline) and drain_deadline("app-b") is None
+    assert deadline == pytest.approx(time.time() + 30.0, abs=1.0)
+    mark_busy("app-a", "r1", True)
+    mark_busy("app-a", "r2", True)
+    mark_busy("app-b", "r1", True)
+    assert busy_replicas("app-a") == 2
+    mark_busy("app-a", "r2", False)
+    assert busy_replicas("app-a") == 1
+    threading.Timer(1.5, mark_busy, args=("app-a", "r1", False)).start()
+    started = time.monotonic()
+    wait_drained("app-a", deadline, settle_s=0.1)
+    assert 1.4 <= time.monotonic() - started < 10  # until the last replica was idle
+    clear_drain("app-a")
+    assert drain_deadline("app-a") is None and busy_replicas("app-a") == 0
+    assert busy_replicas("app-b") == 1
+    # a drain past its deadline (and the cut's margin) waits no longer
+    started = time.monotonic()
+    wait_drained("app-b", time.time() - 10.0, settle_s=0.0)
+    assert time.monotonic() - started < 1.0
+    clear_drain("app-b")

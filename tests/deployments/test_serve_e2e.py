@@ -1634,8 +1634,8 @@ def test_stopping_the_server_drains_its_running_streams(server):
         except grpc.RpcError as err:
             late = err
     refused_in = time.monotonic() - started
-    # over HTTP too: Serve's HTTP proxy answers at once with its own 404 (the route is
-    # gone with the application), not a hang and not a 500
+    # over HTTP too: the replica's 503 with Retry-After while the stream drains (before
+    # the launcher's drain, Serve's HTTP proxy answered its own 404), not a hang or a 500
     import httpx2
 
     started = time.monotonic()
@@ -1653,8 +1653,11 @@ def test_stopping_the_server_drains_its_running_streams(server):
     assert not failure, failure
     assert chunks[-1].finish_reason == "LENGTH", chunks[-1]
     assert sum(len(c.token_ids) for c in chunks) == 300
-    # the application is going away: Serve's proxy says so at once (README)
-    assert late is not None and late.code() == grpc.StatusCode.NOT_FOUND, late
+    # the server drains: a new request is refused at once with the status clients retry
+    # elsewhere (serving.md: UNAVAILABLE while draining; it was the proxy's NOT_FOUND)
+    assert late is not None and late.code() == grpc.StatusCode.UNAVAILABLE, late
+    assert "shutting down" in late.details() and "no new requests" in late.details(), late
     assert refused_in < 10, refused_in
-    assert reply.status_code == 404, (reply.status_code, reply.text)
+    assert reply.status_code == 503 and reply.headers.get("Retry-After"), reply.text
+    assert "shutting down" in reply.json()["error"]["message"], reply.text
     assert server.proc.wait(timeout=120) == 0
