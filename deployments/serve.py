@@ -12,6 +12,7 @@ Prints a READY line and a client example, then serves until Ctrl-C / SIGTERM (or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -378,7 +379,8 @@ def main(argv=None) -> int:
         except Exception as err:  # the GCS does not answer: Serve's deletion drains
             print(f"warning: no drain through Ray's KV store ({err})", file=sys.stderr)
         serve.delete(config.app_name)
-        clear_drain(config.app_name)
+        with contextlib.suppress(Exception):  # the next launcher clears it anyway
+            clear_drain(config.app_name)
         print("drained", flush=True)
     finally:
         # A head this launcher started goes with ray.shutdown (Serve's controller too);
