@@ -60,6 +60,13 @@ def _generate_parser(sub) -> None:
         help="local: in-process engine; ray: draft actor + TP verifier on a local Ray",
     )
     p.add_argument("--tp", type=int, default=1, help="verifier tensor-parallel ranks (ray)")
+    p.add_argument(
+        "--policy",
+        choices=["goodput", "fixed"],
+        default="goodput",
+        help="speculation policy, as the server's speculation.policy: fixed drafts the "
+        "request's K every step, so a --seed repeats its text under a lossy rule too",
+    )
 
 
 def _client_parser(sub) -> None:
@@ -268,6 +275,7 @@ def generate(args) -> int:
     from cactus.errors import CactusError, InvalidRequestError, unwrap
     from cactus.params import Limits, validate_request
     from workers.local import local_engine
+    from workers.scheduler import SchedulerConfig
 
     if args.threads < 0:
         print(f"error: --threads: must be >= 0 (0 = default), got {args.threads}", file=sys.stderr)
@@ -293,7 +301,12 @@ def generate(args) -> int:
             validate_request(request, Limits(max_context=sys.maxsize, vocab_size=sys.maxsize))
             result = _run_ray(args, request)
         else:
-            engine = local_engine(args.verifier, args.draft, dtype=args.dtype)
+            engine = local_engine(
+                args.verifier,
+                args.draft,
+                dtype=args.dtype,
+                scheduler=SchedulerConfig(policy=args.policy),
+            )
             result = _consume(engine.stream(request), args.stream)
     except BrokenPipeError:  # stdout's reader went away: main ends quietly
         raise
@@ -357,6 +370,7 @@ def _run_ray(args, request):
                 args.draft,
                 tp_size=args.tp,
                 dtype=args.dtype,
+                speculation_policy=args.policy,
                 **({"threads": args.threads} if args.threads else {}),
             )
         ).start()

@@ -436,3 +436,24 @@ def test_generate_with_ray_prints_the_remote_error_not_its_traceback(monkeypatch
     assert main(["generate", "--backend", "ray", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: max_tokens") and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+def test_generate_takes_the_speculation_policy(policy, monkeypatch, capsys):
+    """README: seeded repeats under a lossy rule need `speculation.policy: fixed`; the
+    in-process command had no way to ask for it (always goodput)."""
+    import workers.local
+
+    seen = {}
+
+    class Engine:
+        def stream(self, request):
+            yield GenerationChunk("r", (1, 2), "ok", "LENGTH", RESULT)
+
+    def engine(*args, **kw):
+        seen.update(kw)
+        return Engine()
+
+    monkeypatch.setattr(workers.local, "local_engine", engine)
+    assert main(["generate", "--prompt", "x", "--stream", "--policy", policy]) == 0
+    assert seen["scheduler"].policy == policy
