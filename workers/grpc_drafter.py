@@ -17,7 +17,10 @@ blocking calls made on long-lived sender threads, not grpc's `.future()`: a
 go through one thread, in the order they were made: both sides hold the same number of
 rows, so the Open of a request that takes a finished one's row must not reach the
 draft side before that row's Close (it would be refused there, and the request would
-run without drafts). A request released while its Open still runs (a long prompt's
+run without drafts). The lane waits for a Close's answer but only starts an Open (a
+`.future()`, once per request): a long prompt's Open lasts its whole draft prefill, and
+the Opens behind it must not wait for that (their first propose would hold up the
+step). A request released while its Open still runs (a long prompt's
 draft prefill) also sends a Close at once on a sender thread, which stops that prefill;
 the lane's Close follows it in order.
 
@@ -74,6 +77,14 @@ class _WithKey(grpc.UnaryUnaryClientInterceptor):
     def intercept_unary_unary(self, continuation, details, request):
         metadata = (*(details.metadata or ()), *self._metadata)
         return continuation(details._replace(metadata=metadata), request)
+
+
+def _settle(opening: Future, call) -> None:
+    """The Open call's outcome into `opening` (its reply, or the RpcError)."""
+    try:
+        opening.set_result(call.result())
+    except BaseException as err:  # an RpcError; grpc's FutureCancelledError on a close
+        opening.set_exception(err)
 
 
 @dataclass
@@ -194,8 +205,36 @@ class GrpcDrafter:
             lease_s=self.lease_s,
         )
         self._sessions[request_id] = _ClientSession(
-            committed=len(prompt_ids), opening=self._send(self._stub.Open, msg, lane=True)
+            committed=len(prompt_ids), opening=self._open_on_lane(msg)
         )
+
+    def _open_on_lane(self, msg: pb.OpenSession) -> Future:
+        """Start the Open in its place on the session lane, without holding the lane
+        until it answers: a long prompt's Open runs for its whole draft prefill, and a
+        short request's Open queued behind it made that request's first propose, and so
+        every running row's step, wait for it. The lane stays ordered (the Open's stream
+        starts on the channel before any later lane call's); the draft side prefills
+        concurrent Opens chunk by chunk. Returns the Future of its answer; cancelled
+        before the lane reached it, the Open is never sent."""
+        opening: Future = Future()
+        stub = self._stub
+
+        def send(open_msg, timeout):
+            if not opening.set_running_or_notify_cancel():  # released: never sent
+                return
+            try:
+                call = stub.Open.future(open_msg, timeout=timeout)
+            except Exception as err:  # a closed channel
+                opening.set_exception(err)
+                return
+            call.add_done_callback(lambda done: _settle(opening, done))
+
+        try:
+            self._send(send, msg, lane=True)
+        except WorkerUnavailableError as err:  # a closed client
+            opening.set_running_or_notify_cancel()
+            opening.set_exception(err)
+        return opening
 
     @staticmethod
     def _open_now(session: _ClientSession) -> bool:

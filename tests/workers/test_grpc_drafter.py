@@ -315,3 +315,24 @@ def test_a_running_rows_draft_is_served_within_a_chunk_of_a_long_prefill(tiny_ch
         assert isinstance(block, DraftBlock), block
         assert took < 0.6, took  # with sleep(0) between chunks: about 0.8-1 s
         assert "long" not in servicer.sessions  # still prefilling
+
+
+def test_a_short_requests_open_does_not_wait_for_a_long_prefill(tiny_checkpoints):
+    """A short request arriving behind a long prompt: its Open queued on the session
+    lane behind the long one's, which lasts that whole draft prefill (about 3 s here),
+    and its first propose, which every running row's step waits for, waited with it.
+    Now the lane only starts an Open: the short one is answered within about a chunk,
+    while the long prefill goes on; the long request then drafts too."""
+    with _slow_prefill_drafter(tiny_checkpoints) as (runner, servicer, drafter):
+        drafter.start("long", LONG_PROMPT, SAMPLING, 1)
+        _prefilling(runner, 1)
+        start = time.monotonic()
+        drafter.start("short", [5, 6, 7], SAMPLING, 2)
+        (block,) = drafter.propose([ProposeRow("short", 2)])
+        took = time.monotonic() - start
+        assert isinstance(block, DraftBlock), block
+        assert took < 0.8, took  # behind the whole prefill: about 2.7 s
+        assert "long" not in servicer.sessions  # still prefilling
+        (long_block,) = drafter.propose([ProposeRow("long", 2)])  # waits for its Open
+        assert isinstance(long_block, DraftBlock), long_block
+        assert set(servicer.sessions) == {"short", "long"}
