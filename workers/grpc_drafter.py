@@ -83,7 +83,9 @@ def _settle(opening: Future, call) -> None:
     """The Open call's outcome into `opening` (its reply, or the RpcError)."""
     try:
         opening.set_result(call.result())
-    except BaseException as err:  # an RpcError; grpc's FutureCancelledError on a close
+    except grpc.FutureCancelledError:  # the client was closed: as a call never sent
+        opening.set_exception(CancelledError())
+    except BaseException as err:  # an RpcError
         opening.set_exception(err)
 
 
@@ -499,4 +501,7 @@ class GrpcDrafter:
     def close(self) -> None:
         self._senders.shutdown(wait=False, cancel_futures=True)
         self._lane.shutdown(wait=False, cancel_futures=True)
+        for session in list(self._sessions.values()):
+            if session.opening is not None:  # an Open the lane will now never start
+                session.opening.cancel()
         self._channel.close()
