@@ -68,12 +68,12 @@ class DrainingEngine:
         drain_s: float = 0.0,
         deleting: Callable[[], bool] | None = None,
         poll_s: float = POLL_S,
-        drain_deadline: Callable[[], float | None] | None = None,
+        drain_length: Callable[[], float | None] | None = None,
         mark_busy: Callable[[bool], None] | None = None,
         flag_poll_s: float = FLAG_POLL_S,
     ) -> None:
-        """`deleting`: asks whether the application is being deleted; `drain_deadline`:
-        the launcher's drain deadline (time.time()) or None; `mark_busy`: says whether
+        """`deleting`: asks whether the application is being deleted; `drain_length`:
+        the launcher's drain (its length in seconds) or None; `mark_busy`: says whether
         this replica still runs requests during that drain. With either, the first
         request, health Watch or health check starts `_watch_for_shutdown` on the
         replica's event loop."""
@@ -87,7 +87,7 @@ class DrainingEngine:
         self._drain_s = drain_s
         self._deleting = deleting
         self._poll_s = poll_s
-        self._drain_deadline = drain_deadline
+        self._drain_length = drain_length
         self._mark_busy = mark_busy
         self._flag_poll_s = flag_poll_s
         self._watch: asyncio.Task | None = None
@@ -102,7 +102,10 @@ class DrainingEngine:
         running = list(self.running)
         for request_id in running:
             self._cut.add(request_id)
-            self.inner.cancel(request_id)
+            try:
+                self.inner.cancel(request_id)
+            except Exception:  # the others are cut all the same (the stream's own check)
+                logger.exception("drain: cancelling %s failed", request_id)
         return len(running)
 
     def _admit(self) -> None:
@@ -122,8 +125,12 @@ class DrainingEngine:
         self._start_watch()
 
     def _start_watch(self) -> None:
-        watched = self._deleting is not None or self._drain_deadline is not None
-        if watched and self._watch is None:
+        watched = self._deleting is not None or self._drain_length is not None
+        if watched and (self._watch is None or self._watch.done()):
+            if self._watch is not None and not self._watch.cancelled():
+                failure = self._watch.exception()
+                if failure is not None:  # restarted: a replica must keep seeing a drain
+                    logger.error("the shutdown watch failed; restarted", exc_info=failure)
             self._watch = asyncio.get_running_loop().create_task(self._watch_for_shutdown())
 
     @contextlib.contextmanager
@@ -179,21 +186,24 @@ class DrainingEngine:
                 raise ServerShuttingDownError(self.cut_reason)
 
     async def _watch_for_shutdown(self) -> None:
-        """Every flag_poll_s, read the launcher's drain key (`_drain_until` once it is
-        there); while requests or health Watch calls run, ask every poll_s whether the
-        application is being deleted by other means, and once it is, set `draining` and
-        cut the requests still running drain_s later. Runs for the replica's life (a
-        task on its event loop); asks Serve's controller nothing while the replica is
-        idle."""
-        tick = self._flag_poll_s if self._drain_deadline is not None else self._poll_s
+        """Every flag_poll_s (the first time at once), read the launcher's drain key
+        (`_drain_for` while it is there); while requests or health Watch calls run, ask
+        every poll_s whether the application is being deleted by other means, and once
+        it is, set `draining` and cut the requests still running drain_s later. Runs for
+        the replica's life (a task on its event loop); asks Serve's controller nothing
+        while the replica is idle."""
+        tick = self._flag_poll_s if self._drain_length is not None else self._poll_s
         next_status = time.monotonic() + self._poll_s
+        first = True
         while True:
-            await asyncio.sleep(tick)
-            if self._drain_deadline is not None:
-                deadline = await self._ask(self._drain_deadline)
-                if deadline is not None:
-                    await self._drain_until(deadline)
-                    return
+            if not first:
+                await asyncio.sleep(tick)
+            first = False
+            if self._drain_length is not None:
+                drain_s = await self._ask(self._drain_length)
+                if drain_s is not None:
+                    await self._drain_for(drain_s)
+                    continue  # the key is gone: serving again (below)
             if self._deleting is None or time.monotonic() < next_status:
                 continue
             next_status = time.monotonic() + self._poll_s
@@ -208,37 +218,45 @@ class DrainingEngine:
             return
 
     @staticmethod
-    async def _ask(question: Callable):
+    async def _ask(question: Callable, unanswered=None):
         """A blocking question to Ray (the KV store, Serve's controller), off the event
-        loop; None when it cannot be answered now (asked again at the next poll)."""
+        loop; `unanswered` when it cannot be answered now (asked again at the next poll)."""
         try:
             return await asyncio.to_thread(question)
         except Exception:  # the GCS or the controller is busy or going away
             logger.debug("shutdown watch: no answer", exc_info=True)
-            return None
+            return unanswered
 
-    async def _drain_until(self, deadline: float) -> None:
-        """The launcher's drain: refuse new requests, let running ones finish until
-        `deadline` (time.time()), cut the rest then; say whether this replica still runs
-        requests (the launcher deletes the application once none does)."""
+    async def _drain_for(self, drain_s: float) -> None:
+        """The launcher's drain: refuse new requests, let running ones finish for
+        `drain_s` (counted on this replica's own clock from when it saw the key: clocks
+        of a cluster's nodes need not agree), cut the rest then; say whether this
+        replica still runs requests (the launcher deletes the application once none
+        does). Returns once the key is gone (a launcher that cleared it, or a new one
+        that deploys the application again: this replica serves again)."""
+        deadline = time.monotonic() + drain_s
         self.refusing = self.draining = True
-        logger.info(
-            "the server drains: requests get %.1f s to finish", max(0.0, deadline - time.time())
-        )
+        logger.info("the server drains: requests get %.1f s to finish", drain_s)
         published = None
+        cut_at = None
         while True:
             busy = bool(self.running)
             if busy != published and await self._publish(busy):
                 published = busy
-            left = deadline - time.time()
-            if not busy or left <= 0:
-                break
-            await asyncio.sleep(min(self._flag_poll_s, left))
-        if self.running:
-            self._cut_the_rest()
-            await asyncio.sleep(self._flag_poll_s)  # the cut requests' last messages
+            now = time.monotonic()
+            if busy and cut_at is None and now >= deadline:
+                self._cut_the_rest()
+                cut_at = now
+            if not busy or (cut_at is not None and now >= cut_at + CUT_MARGIN_S):
+                break  # (a cut request whose cancel was lost: Serve's kill is the backstop)
+            await asyncio.sleep(self._flag_poll_s)
         if published is not False:
             await self._publish(False)
+        while await self._ask(self._drain_length, unanswered=True) is not None or self.running:
+            await asyncio.sleep(self._flag_poll_s)  # refusing until the key goes
+        self.refusing = self.draining = False
+        self.cut_reason = None
+        logger.info("the drain key is gone: serving again")
 
     async def _publish(self, busy: bool) -> bool:
         if self._mark_busy is None:
@@ -260,19 +278,16 @@ class DrainingEngine:
             logger.info("drain time is up: ended %d running requests", cut)
 
 
-def _deadline_key(app_name: str) -> str:
-    return f"{app_name}/deadline"
+def _namespace(app_name: str) -> str:
+    """One KV namespace per application: no application's keys can be another's."""
+    return f"{KV_NAMESPACE}:{app_name}"
 
 
-def _busy_prefix(app_name: str) -> str:
-    return f"{app_name}/busy/"
-
-
-def drain_deadline(app_name: str) -> float | None:
-    """The launcher's drain deadline for `app_name` (time.time()), or None."""
+def drain_length(app_name: str) -> float | None:
+    """The launcher's drain of `app_name`: its length in seconds, or None (no drain)."""
     from ray.experimental.internal_kv import _internal_kv_get
 
-    value = _internal_kv_get(_deadline_key(app_name), namespace=KV_NAMESPACE)
+    value = _internal_kv_get("drain_s", namespace=_namespace(app_name))
     return float(value) if value else None
 
 
@@ -280,36 +295,43 @@ def mark_busy(app_name: str, replica: str, busy: bool) -> None:
     """A replica's answer during the launcher's drain: it still runs requests or not."""
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
-    key = _busy_prefix(app_name) + replica
+    key = f"busy/{replica}"
     if busy:
-        _internal_kv_put(key, b"1", namespace=KV_NAMESPACE)
+        _internal_kv_put(key, b"1", namespace=_namespace(app_name))
     else:
-        _internal_kv_del(key, namespace=KV_NAMESPACE)
+        _internal_kv_del(key, namespace=_namespace(app_name))
 
 
 def start_drain(app_name: str, drain_s: float) -> float:
-    """The launcher: every replica of `app_name` refuses new requests from now on and
-    has `drain_s` to finish its running ones. Returns the deadline (time.time())."""
+    """The launcher: every replica of `app_name` refuses new requests from when it sees
+    this (within FLAG_POLL_S) and has `drain_s` to finish its running ones. Returns the
+    launcher's own deadline (time.monotonic())."""
     from ray.experimental.internal_kv import _internal_kv_put
 
-    deadline = time.time() + drain_s
-    _internal_kv_put(_deadline_key(app_name), str(deadline), namespace=KV_NAMESPACE)
-    return deadline
+    _internal_kv_put("drain_s", repr(float(drain_s)), namespace=_namespace(app_name))
+    return time.monotonic() + drain_s
 
 
 def busy_replicas(app_name: str) -> int:
     from ray.experimental.internal_kv import _internal_kv_list
 
-    return len(_internal_kv_list(_busy_prefix(app_name), namespace=KV_NAMESPACE))
+    return len(_internal_kv_list("busy/", namespace=_namespace(app_name)))
 
 
 def wait_drained(app_name: str, deadline: float, *, settle_s: float = 4 * FLAG_POLL_S) -> None:
     """The launcher: wait until every replica has seen the drain (`settle_s`, four of
     their polls: a replica that has not said it is busy by then is drained by Serve's
     deletion instead, as before) and none still runs a request, or until the deadline
-    and the cut's margin have passed."""
+    (time.monotonic()), the replicas' poll and the cut's margin have passed. A KV read
+    that fails is tried again until then."""
     time.sleep(settle_s)
-    while busy_replicas(app_name) and time.time() < deadline + CUT_MARGIN_S:
+    bound = deadline + FLAG_POLL_S + CUT_MARGIN_S
+    while time.monotonic() < bound:
+        try:
+            if not busy_replicas(app_name):
+                return
+        except Exception:  # the GCS is busy: ask again
+            logger.debug("drain: no answer from the KV store", exc_info=True)
         time.sleep(0.1)
 
 
@@ -318,7 +340,7 @@ def clear_drain(app_name: str) -> None:
     the new replicas refuse everything) and after the application's deletion."""
     from ray.experimental.internal_kv import _internal_kv_del
 
-    _internal_kv_del(f"{app_name}/", del_by_prefix=True, namespace=KV_NAMESPACE)
+    _internal_kv_del("", del_by_prefix=True, namespace=_namespace(app_name))
 
 
 def application_deleting(app_name: str) -> bool:

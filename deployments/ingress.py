@@ -51,7 +51,7 @@ from cactus.params import (
     validate_request,
 )
 from configs.schema import ServeConfig, from_dict
-from deployments.drain import DrainingEngine, application_deleting, drain_deadline, mark_busy
+from deployments.drain import DrainingEngine, application_deleting, drain_length, mark_busy
 from deployments.metrics import ServiceMetrics, failure_reason
 from protos.cactus.v1 import cactus_pb2 as pb
 
@@ -277,7 +277,7 @@ class CactusIngress:
             app = context.app_name
             watch = {
                 "deleting": functools.partial(application_deleting, app),
-                "drain_deadline": functools.partial(drain_deadline, app),
+                "drain_length": functools.partial(drain_length, app),
                 "mark_busy": functools.partial(
                     mark_busy,
                     app,

@@ -1619,6 +1619,9 @@ def test_stopping_the_server_drains_its_running_streams(server):
     with every token, a request that arrives meanwhile gets a clear status at once, and
     the process exits 0 (README: scale-down and shutdown drain). ray.init replaces a
     driver's SIGTERM handler with sys.exit(15), which cut the stream before."""
+    # rank 0 steps at most 20 times a second: the stream outlives the late requests below
+    # (they need the drain, not the deletion after it) on any machine
+    server.probe.ask("pace", "rank0", "0.05")
     server.probe.close()  # no outside Ray driver attached while the server stops
     kw = {"max_tokens": 300, "temperature": 0.0, "rule": "cactus", "delta": 1.0}
     chunks, failure, reader = _background_stream(server.client(), "def parse(text):", **kw)
@@ -1649,6 +1652,7 @@ def test_stopping_the_server_drains_its_running_streams(server):
             if reply.status_code != 200 or time.monotonic() - started > 10:
                 break
             time.sleep(0.1)
+    assert reader.is_alive(), "the stream ended before the late requests: no drain to meet"
     reader.join(timeout=120)
     assert not failure, failure
     assert chunks[-1].finish_reason == "LENGTH", chunks[-1]
