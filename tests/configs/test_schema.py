@@ -284,17 +284,22 @@ def test_serve_refuses_num_cpus_that_are_not_a_whole_number_of_cpus(value, capsy
     assert "--num-cpus: must be a whole number >= 1" in capsys.readouterr().err
 
 
-def test_a_second_launcher_on_a_port_in_use_refuses_and_leaves_the_pid_file(capsys):
+def test_a_second_launcher_on_a_port_in_use_refuses_and_leaves_the_pid_file(capsys, monkeypatch):
     """Two `make serve` on one port: the second overwrote the first's pid file, then
     removed it at exit, and `make stop` could no longer reach the first. It now refuses
     (exit 2, before Ray starts) and leaves the file as it was; a pid file whose process
     is gone or is not a server does not stop a start."""
+    import os
     import subprocess
     import sys
 
     from deployments.serve import _remove_own_pidfile, main, pidfile, running_server
     from workers.tp_verifier import free_port
 
+    # main() exports the config's gRPC message size for Serve's proxies: in this process,
+    # it must not outlive the test (every later server would refuse a different one)
+    default = load_config(Path(__file__).resolve().parents[2] / "configs" / "default.yaml")
+    monkeypatch.setenv("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(default.limits.max_message_bytes))
     port = free_port()
     path = pidfile(port)
     path.parent.mkdir(exist_ok=True)
@@ -308,6 +313,9 @@ def test_a_second_launcher_on_a_port_in_use_refuses_and_leaves_the_pid_file(caps
         assert f"a server already runs on gRPC port {port} (pid {first.pid})" in err, err
         assert f"make stop PORT={port}" in err
         assert path.read_text() == str(first.pid)
+        assert os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(
+            default.limits.max_message_bytes
+        )
         _remove_own_pidfile(path)  # another process's file is never removed
         assert path.read_text() == str(first.pid)
         first.kill()
