@@ -17,8 +17,8 @@ blocking calls made on long-lived sender threads, not grpc's `.future()`: a
 go through one thread, in the order they were made: both sides hold the same number of
 rows, so the Open of a request that takes a finished one's row must not reach the
 draft side before that row's Close (it would be refused there, and the request would
-run without drafts). The lane waits for a Close's answer but only starts an Open (a
-`.future()`, once per request): a long prompt's Open lasts its whole draft prefill, and
+run without drafts). The lane waits for a Close's answer but only starts an Open (on
+one of four opener threads): a long prompt's Open lasts its whole draft prefill, and
 the Opens behind it must not wait for that (their first propose would hold up the
 step). A request released while its Open still runs (a long prompt's
 draft prefill) also sends a Close at once on a sender thread, which stops that prefill;
@@ -79,16 +79,6 @@ class _WithKey(grpc.UnaryUnaryClientInterceptor):
         return continuation(details._replace(metadata=metadata), request)
 
 
-def _settle(opening: Future, call) -> None:
-    """The Open call's outcome into `opening` (its reply, or the RpcError)."""
-    try:
-        opening.set_result(call.result())
-    except grpc.FutureCancelledError:  # the client was closed: as a call never sent
-        opening.set_exception(CancelledError())
-    except BaseException as err:  # an RpcError
-        opening.set_exception(err)
-
-
 @dataclass
 class _ClientSession:
     committed: int
@@ -139,6 +129,8 @@ class GrpcDrafter:
         # lane (module docstring).
         self._senders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft-rpc")
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-session")
+        # Opens run here, started in order from the lane (`_open_on_lane`)
+        self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
         self._sessions: dict[str, _ClientSession] = {}
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.round_trips: list[float] = []  # each one's seconds, until the metrics take them
@@ -211,28 +203,31 @@ class GrpcDrafter:
         )
 
     def _open_on_lane(self, msg: pb.OpenSession) -> Future:
-        """Start the Open in its place on the session lane, without holding the lane
-        until it answers: a long prompt's Open runs for its whole draft prefill, and a
-        short request's Open queued behind it made that request's first propose, and so
-        every running row's step, wait for it. The lane stays ordered (the Open's stream
-        starts on the channel before any later lane call's); the draft side prefills
-        concurrent Opens chunk by chunk. Returns the Future of its answer; cancelled
-        before the lane reached it, the Open is never sent."""
+        """Start the Open in its place on the session lane (after every Close made
+        before it), on an opener thread, without holding the lane until it answers: a
+        long prompt's Open runs for its whole draft prefill, and a short request's Open
+        queued behind it made that request's first propose, and so every running row's
+        step, wait for it. The draft side prefills concurrent Opens chunk by chunk.
+        Returns the Future of its answer; cancelled before an opener took it, the Open
+        is never sent."""
         opening: Future = Future()
-        stub = self._stub
+        stub, openers, timeout_s = self._stub, self._openers, self.timeout_s
 
-        def send(open_msg, timeout):
+        def call_open(open_msg) -> None:
             if not opening.set_running_or_notify_cancel():  # released: never sent
                 return
             try:
-                call = stub.Open.future(open_msg, timeout=timeout)
-            except Exception as err:  # a closed channel
+                opening.set_result(stub.Open(open_msg, timeout=timeout_s))
+            except grpc.RpcError as err:
                 opening.set_exception(err)
-                return
-            call.add_done_callback(lambda done: _settle(opening, done))
+            except Exception:  # a closed channel: as a call never sent
+                opening.set_exception(CancelledError())
+
+        def start(open_msg, timeout=None) -> None:  # on the lane
+            openers.submit(call_open, open_msg)
 
         try:
-            self._send(send, msg, lane=True)
+            self._send(start, msg, lane=True)
         except WorkerUnavailableError as err:  # a closed client
             opening.set_running_or_notify_cancel()
             opening.set_exception(err)
@@ -468,6 +463,9 @@ class GrpcDrafter:
             # below still follows it in order (a no-op if this one closed the session).
             with contextlib.suppress(Exception):
                 first.append(self._send(self._stub.Close, msg))
+            # the lane's Close after the Open's answer too: the Open runs on an opener
+            # thread, and a Close that overtook it would leave the session it opens
+            first.append(opening)
         pending = self._prefetch
         if pending is not None and any(row.request_id == request_id for row, _ in pending[0]):
             # a prefetched ProposeBatch drafting for this session is on its way on another
@@ -501,6 +499,7 @@ class GrpcDrafter:
     def close(self) -> None:
         self._senders.shutdown(wait=False, cancel_futures=True)
         self._lane.shutdown(wait=False, cancel_futures=True)
+        self._openers.shutdown(wait=False, cancel_futures=True)
         for session in list(self._sessions.values()):
             if session.opening is not None:  # an Open the lane will now never start
                 session.opening.cancel()
