@@ -18,11 +18,12 @@ go through one thread, in the order they were made: both sides hold the same num
 rows, so the Open of a request that takes a finished one's row must not reach the
 draft side before that row's Close (it would be refused there, and the request would
 run without drafts). The lane waits for a Close's answer but only starts an Open (on
-one of four opener threads): a long prompt's Open lasts its whole draft prefill, and
+an opener thread of its own): a long prompt's Open lasts its whole draft prefill, and
 the Opens behind it must not wait for that (their first propose would hold up the
-step). A request released while its Open still runs (a long prompt's
-draft prefill) also sends a Close at once on a sender thread, which stops that prefill;
-the lane's Close follows it in order.
+step); the lane's Close of a request released while its Open runs waits for that Open's
+answer (sending Close again until it comes, so it comes within a chunk). A request
+released while its Open still runs (a long prompt's draft prefill) also sends a Close at
+once on a sender thread, which stops that prefill; the lane's Close follows it in order.
 
 A row the policy drafts nothing for (k = 0) sends no ProposeBatch: its commits wait in
 `unsent`, and the draft side would free its session when the lease ran out. So every
@@ -79,6 +80,12 @@ class _WithKey(grpc.UnaryUnaryClientInterceptor):
         return continuation(details._replace(metadata=metadata), request)
 
 
+# Opens in flight at once (each on its own opener thread): as many as the engine's rows
+# by default (batching.max_num_seqs, 32), so a short request's Open never waits behind
+# long prefills for a thread.
+MAX_OPENERS = 64
+
+
 @dataclass
 class _ClientSession:
     committed: int
@@ -130,7 +137,9 @@ class GrpcDrafter:
         self._senders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draft-rpc")
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-session")
         # Opens run here, started in order from the lane (`_open_on_lane`)
-        self._openers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="draft-open")
+        # (up to one per row: a thread starts only when none is idle, so Opens made one
+        # after another use one; a short Open must not queue behind long ones here either)
+        self._openers = ThreadPoolExecutor(max_workers=MAX_OPENERS, thread_name_prefix="draft-open")
         self._sessions: dict[str, _ClientSession] = {}
         self.rpc_s = 0.0  # ProposeBatch round trips (send to reply)
         self.round_trips: list[float] = []  # each one's seconds, until the metrics take them
@@ -220,11 +229,18 @@ class GrpcDrafter:
                 opening.set_result(stub.Open(open_msg, timeout=timeout_s))
             except grpc.RpcError as err:
                 opening.set_exception(err)
-            except Exception:  # a closed channel: as a call never sent
+            except ValueError:  # "Cannot invoke RPC on closed channel": never sent
                 opening.set_exception(CancelledError())
+            except BaseException as err:  # anything else: said, and never left pending
+                log.warning("draft actor: Open failed", exc_info=err)
+                opening.set_exception(err)
 
         def start(open_msg, timeout=None) -> None:  # on the lane
-            openers.submit(call_open, open_msg)
+            try:
+                openers.submit(call_open, open_msg)
+            except RuntimeError:  # the client was closed meanwhile: never sent
+                if opening.set_running_or_notify_cancel():
+                    opening.set_exception(CancelledError())
 
         try:
             self._send(start, msg, lane=True)
@@ -265,7 +281,12 @@ class GrpcDrafter:
         if now < self._next_scan:
             return
         self._next_scan = now + self._touch_after_s / 2
-        idle = [r for r, s in self._sessions.items() if now - s.last_sent >= self._touch_after_s]
+        idle = [
+            r
+            for r, s in self._sessions.items()
+            # a session whose Open has not answered has no lease on the draft side yet
+            if s.opening is None and now - s.last_sent >= self._touch_after_s
+        ]
         if not idle:
             return
         for request_id in idle:
@@ -476,6 +497,20 @@ class GrpcDrafter:
             stub, timeout = self._stub, self.timeout_s
 
             def close_after(_msg, timeout=timeout):
+                if opening is not None and opening in first:
+                    # The Open may reach the draft side after the Close sent above (its
+                    # opener had marked it running but not sent it yet), and would then
+                    # prefill its whole prompt while this lane waits: Close again every
+                    # 50 ms until it has answered (a repeated Close is a no-op).
+                    until = time.monotonic() + timeout
+                    while not opening.done() and time.monotonic() < until:
+                        try:
+                            opening.result(timeout=0.05)
+                        except TimeoutError:
+                            with contextlib.suppress(Exception):
+                                stub.Close(_msg, timeout=timeout)
+                        except Exception:  # its outcome is not ours
+                            pass
                 for call in first:
                     try:
                         call.result(timeout=timeout)

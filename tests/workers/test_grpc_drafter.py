@@ -336,3 +336,45 @@ def test_a_short_requests_open_does_not_wait_for_a_long_prefill(tiny_checkpoints
         (long_block,) = drafter.propose([ProposeRow("long", 2)])  # waits for its Open
         assert isinstance(long_block, DraftBlock), long_block
         assert set(servicer.sessions) == {"short", "long"}
+
+
+def test_a_request_released_as_its_open_leaves_frees_its_row_within_a_chunk(tiny_checkpoints):
+    """The Open runs on an opener thread: released after the opener took it but before
+    it reached the draft side, the Close sent at once arrived first (a no-op), the Open
+    then prefilled its whole prompt, and the lane's Close (and every Open behind it)
+    waited for that. The lane now closes again until the Open has answered: on a
+    one-row draft side, the next request drafts within about a chunk."""
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=1)
+    real_forward = runner.forward
+
+    def slow_forward(seq_ids, token_ids, **kw):
+        if "long" in seq_ids:
+            time.sleep(0.1)
+        return real_forward(seq_ids, token_ids, **kw)
+
+    runner.forward = slow_forward
+    servicer = DraftServicer(LocalDrafter(runner), prefill_chunk_tokens=8)
+    with _serving(servicer) as address:
+        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+        real_open = drafter._stub.Open
+
+        def late_open(msg, timeout=None):  # taken by its opener, on the wire 0.3 s later
+            if msg.request_id == "long":
+                time.sleep(0.3)
+            return real_open(msg, timeout=timeout)
+
+        drafter._stub.Open = late_open
+        try:
+            drafter.start("long", LONG_PROMPT, SAMPLING, 1)
+            time.sleep(0.1)  # its opener has it: running, not sent
+            start = time.monotonic()
+            drafter.release("long")
+            drafter.start("short", [5, 6, 7], SAMPLING, 2)
+            (block,) = drafter.propose([ProposeRow("short", 2)])
+            took = time.monotonic() - start
+            assert isinstance(block, DraftBlock), block
+            assert took < 1.5, took  # after the whole prefill: about 3.2 s
+            assert set(servicer.sessions) == {"short"}
+            assert runner.num_sequences == 1
+        finally:
+            drafter.close()
