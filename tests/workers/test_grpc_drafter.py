@@ -240,11 +240,11 @@ def test_a_failed_prefetch_is_no_round_trip(tiny_checkpoints):
 
 
 @contextlib.contextmanager
-def _slow_prefill_drafter(tiny_checkpoints):
-    """A draft server of two rows whose prefill of request "long" takes 0.1 s a chunk
+def _slow_prefill_drafter(tiny_checkpoints, rows: int = 2):
+    """A draft server of `rows` rows whose prefill of request "long" takes 0.1 s a chunk
     of 8 (its 241-token prompt: 30 chunks, about 3 s), and a client of it; yields
     (runner, servicer, drafter)."""
-    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=rows)
     real_forward = runner.forward
 
     def slow_forward(seq_ids, token_ids, **kw):
@@ -274,6 +274,16 @@ def _prefilling(runner, rows: int) -> None:
     time.sleep(0.15)
 
 
+def _release_long_then_draft_short(drafter) -> float:
+    """Release "long", start "short" and draft it: the seconds that took."""
+    start = time.monotonic()
+    drafter.release("long")
+    drafter.start("short", [5, 6, 7], SAMPLING, 2)
+    (block,) = drafter.propose([ProposeRow("short", 2)])
+    assert isinstance(block, DraftBlock), block
+    return time.monotonic() - start
+
+
 def test_a_request_released_mid_prefill_does_not_hold_up_the_next(tiny_checkpoints):
     """A long prompt's Open runs (the draft side prefills it chunk by chunk) when its
     request is cancelled or runs out of time, and a short request takes its row. Its
@@ -284,12 +294,7 @@ def test_a_request_released_mid_prefill_does_not_hold_up_the_next(tiny_checkpoin
     with _slow_prefill_drafter(tiny_checkpoints) as (runner, servicer, drafter):
         drafter.start("long", LONG_PROMPT, SAMPLING, 1)
         _prefilling(runner, 1)
-        start = time.monotonic()
-        drafter.release("long")
-        drafter.start("short", [5, 6, 7], SAMPLING, 2)
-        (block,) = drafter.propose([ProposeRow("short", 2)])
-        took = time.monotonic() - start
-        assert isinstance(block, DraftBlock), block
+        took = _release_long_then_draft_short(drafter)
         # the old lane: after the whole prefill, about 2.9 s; the Close behind a bare
         # sleep(0) between chunks, about 1 s; now about 0.06 s
         assert took < 0.6, took
@@ -344,18 +349,7 @@ def test_a_request_released_as_its_open_leaves_frees_its_row_within_a_chunk(tiny
     then prefilled its whole prompt, and the lane's Close (and every Open behind it)
     waited for that. The lane now closes again until the Open has answered: on a
     one-row draft side, the next request drafts within about a chunk."""
-    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=1)
-    real_forward = runner.forward
-
-    def slow_forward(seq_ids, token_ids, **kw):
-        if "long" in seq_ids:
-            time.sleep(0.1)
-        return real_forward(seq_ids, token_ids, **kw)
-
-    runner.forward = slow_forward
-    servicer = DraftServicer(LocalDrafter(runner), prefill_chunk_tokens=8)
-    with _serving(servicer) as address:
-        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30)
+    with _slow_prefill_drafter(tiny_checkpoints, rows=1) as (runner, servicer, drafter):
         real_open = drafter._stub.Open
 
         def late_open(msg, timeout=None):  # taken by its opener, on the wire 0.3 s later
@@ -364,17 +358,9 @@ def test_a_request_released_as_its_open_leaves_frees_its_row_within_a_chunk(tiny
             return real_open(msg, timeout=timeout)
 
         drafter._stub.Open = late_open
-        try:
-            drafter.start("long", LONG_PROMPT, SAMPLING, 1)
-            time.sleep(0.1)  # its opener has it: running, not sent
-            start = time.monotonic()
-            drafter.release("long")
-            drafter.start("short", [5, 6, 7], SAMPLING, 2)
-            (block,) = drafter.propose([ProposeRow("short", 2)])
-            took = time.monotonic() - start
-            assert isinstance(block, DraftBlock), block
-            assert took < 1.5, took  # after the whole prefill: about 3.2 s
-            assert set(servicer.sessions) == {"short"}
-            assert runner.num_sequences == 1
-        finally:
-            drafter.close()
+        drafter.start("long", LONG_PROMPT, SAMPLING, 1)
+        time.sleep(0.1)  # its opener has it: running, not sent
+        took = _release_long_then_draft_short(drafter)
+        assert took < 1.5, took  # after the whole prefill: about 3.2 s
+        assert set(servicer.sessions) == {"short"}
+        assert runner.num_sequences == 1
