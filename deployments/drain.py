@@ -117,14 +117,12 @@ class DrainingEngine:
                 "ones finish; retry on another replica",
                 refused=True,
             )
-        self._start_watch()
+        self.start_watch()
 
     def start_watch(self) -> None:
-        """From Serve's health check too: a replica no request reached yet reads the
-        launcher's drain key from then on (its first request then meets a drain)."""
-        self._start_watch()
-
-    def _start_watch(self) -> None:
+        """From the first request or health Watch, and from Serve's health check: a
+        replica no request reached yet reads the launcher's drain key from then on (its
+        first request then meets a drain). A watch that failed is started again."""
         watched = self._deleting is not None or self._drain_length is not None
         if watched and (self._watch is None or self._watch.done()):
             if self._watch is not None and not self._watch.cancelled():
@@ -138,7 +136,7 @@ class DrainingEngine:
         """Around a health Watch call: an open Watch never ends by itself, so it would
         hold the drain for its whole time; the watch for the deletion runs while one is
         open, and the Watch ends once `draining` is set (deployments/ingress.py)."""
-        self._start_watch()
+        self.start_watch()
         self.watches += 1
         try:
             yield

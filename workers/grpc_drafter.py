@@ -80,8 +80,8 @@ class _WithKey(grpc.UnaryUnaryClientInterceptor):
         return continuation(details._replace(metadata=metadata), request)
 
 
-# Opens in flight at once (each on its own opener thread): as many as the engine's rows
-# by default (batching.max_num_seqs, 32), so a short request's Open never waits behind
+# Opens in flight at once (each on its own opener thread): at least the engine's rows
+# (batching.max_num_seqs, 32 by default), so a short request's Open never waits behind
 # long prefills for a thread.
 MAX_OPENERS = 64
 

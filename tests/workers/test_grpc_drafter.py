@@ -336,7 +336,7 @@ def test_a_short_requests_open_does_not_wait_for_a_long_prefill(tiny_checkpoints
         (block,) = drafter.propose([ProposeRow("short", 2)])
         took = time.monotonic() - start
         assert isinstance(block, DraftBlock), block
-        assert took < 0.8, took  # behind the whole prefill: about 2.7 s
+        assert took < 0.8, took  # 0.17-0.18 s; on the old lane 3.3-3.4 s
         assert "long" not in servicer.sessions  # still prefilling
         (long_block,) = drafter.propose([ProposeRow("long", 2)])  # waits for its Open
         assert isinstance(long_block, DraftBlock), long_block
@@ -361,6 +361,6 @@ def test_a_request_released_as_its_open_leaves_frees_its_row_within_a_chunk(tiny
         drafter.start("long", LONG_PROMPT, SAMPLING, 1)
         time.sleep(0.1)  # its opener has it: running, not sent
         took = _release_long_then_draft_short(drafter)
-        assert took < 1.5, took  # after the whole prefill: about 3.2 s
+        assert took < 1.5, took  # 0.33 s; without the repeated Close 3.6-3.7 s
         assert set(servicer.sessions) == {"short"}
         assert runner.num_sequences == 1
