@@ -292,6 +292,7 @@ def test_a_second_launcher_on_a_port_in_use_refuses_and_leaves_the_pid_file(caps
     import os
     import subprocess
     import sys
+    import time
 
     from deployments.serve import _remove_own_pidfile, main, pidfile, running_server
     from workers.tp_verifier import free_port
@@ -303,10 +304,19 @@ def test_a_second_launcher_on_a_port_in_use_refuses_and_leaves_the_pid_file(caps
     port = free_port()
     path = pidfile(port)
     path.parent.mkdir(exist_ok=True)
+    # had the guard missed it, main() would start a whole server in this process and
+    # serve for good: an address where no cluster answers makes it stop at once instead
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     first = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)  # stands in for deployments.serve"]
     )
     try:
+        # until the child has exec'd (before, its cmdline is this process's)
+        cmdline = Path(f"/proc/{first.pid}/cmdline")
+        deadline = time.monotonic() + 30
+        while b"deployments.serve" not in cmdline.read_bytes():
+            assert time.monotonic() < deadline, cmdline.read_bytes()
+            time.sleep(0.01)
         path.write_text(str(first.pid))
         assert main(["--port", str(port)]) == 2
         err = capsys.readouterr().err
