@@ -91,6 +91,16 @@ class DrainingEngine:
         self._mark_busy = mark_busy
         self._flag_poll_s = flag_poll_s
         self._watch: asyncio.Task | None = None
+        # called when `draining` changes (the ingress: `cactus_engine_serving` is 0
+        # while the replica drains)
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # a gauge must not stop the drain
+                logger.exception("drain: the change callback failed")
 
     def __getattr__(self, name):  # model_info, cancel, ahealthy, stats, alive, group, ...
         return getattr(self.inner, name)
@@ -210,6 +220,7 @@ class DrainingEngine:
             if not await self._ask(self._deleting):
                 continue
             self.draining = True  # open health Watch calls say NOT_SERVING and end
+            self._changed()
             logger.info("application deleted: requests get %.1f s to finish", self._drain_s)
             await asyncio.sleep(self._drain_s)
             self._cut_the_rest()
@@ -234,6 +245,7 @@ class DrainingEngine:
         that deploys the application again: this replica serves again)."""
         deadline = time.monotonic() + drain_s
         self.refusing = self.draining = True
+        self._changed()
         logger.info("the server drains: requests get %.1f s to finish", drain_s)
         published = None
         cut_at = None
@@ -254,6 +266,7 @@ class DrainingEngine:
             await asyncio.sleep(self._flag_poll_s)  # refusing until the key goes
         self.refusing = self.draining = False
         self.cut_reason = None
+        self._changed()
         logger.info("the drain key is gone: serving again")
 
     async def _publish(self, busy: bool) -> bool:

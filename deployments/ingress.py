@@ -301,13 +301,15 @@ class CactusIngress:
         self.metrics = ServiceMetrics()
         self._engine_seen: dict = {}
         self.started = int(time.time())
+        self.engine.on_change = self._engine_changed  # the replica's drain
         listeners = getattr(self.engine, "listeners", None)
         if listeners is not None:  # the supervisor: its state and restarts, when they change
             listeners.append(self._engine_changed)
             self._engine_changed()
 
     def _engine_changed(self) -> None:
-        self.metrics.engine(self.engine.stats(), self._engine_seen)
+        stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
+        self.metrics.engine(stats, self._engine_seen, draining=self.engine.draining)
 
     def _start_engine(self):
         import ray
@@ -568,7 +570,8 @@ class CactusIngress:
             # replica that no request or probe reached yet notices a dead rank too
             await self.engine.ahealthy()
             stats = self.engine.stats()
-            self.metrics.engine(stats, self._engine_seen)  # also set on every change
+            # also set on every change
+            self.metrics.engine(stats, self._engine_seen, draining=self.engine.draining)
             if not alive():
                 raise RuntimeError(f"engine failed: {stats}")
         elif not await self.engine.ahealthy():

@@ -85,7 +85,8 @@ class ServiceMetrics:
             tag_keys=("actor",),
         )
         self.engine_serving = metrics.Gauge(
-            "cactus_engine_serving", description="1 while the engine serves, 0 while it restarts"
+            "cactus_engine_serving",
+            description="1 while the engine serves, 0 while it restarts or the replica drains",
         )
         self.requests = metrics.Counter(
             "cactus_request_success",  # vLLM's request_success{finished_reason}
@@ -126,9 +127,11 @@ class ServiceMetrics:
         # client went away never reaches `finished` to remove its entry
         self._last: OrderedDict[str, float] = OrderedDict()
 
-    def engine(self, stats: dict, seen: dict) -> None:
-        """The supervisor's counters since the last call (`seen` keeps the last)."""
-        self.engine_serving.set(1 if stats.get("state") == "SERVING" else 0)
+    def engine(self, stats: dict, seen: dict, *, draining: bool = False) -> None:
+        """The supervisor's counters since the last call (`seen` keeps the last);
+        `cactus_engine_serving` is 0 while the engine restarts or the replica drains."""
+        serving = stats.get("state", "SERVING") == "SERVING" and not draining
+        self.engine_serving.set(1 if serving else 0)
         for key, actor in (("draft_restarts", "draft"), ("rank_restarts", "ranks")):
             new = stats.get(key, 0) - seen.get(key, 0)
             if new > 0:

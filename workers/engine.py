@@ -515,21 +515,27 @@ class SpeculativeEngine:
         self.verifier.commit(state.id, accepted, token)
 
     def _prefill(self, decode_tokens: int) -> None:
+        """The step's prompt chunks: the verifier's within the step's budget, and the
+        same budget of draft prefill (an in-process drafter's; a remote one prefills on
+        its own side), so that neither side's long prompt stalls the running rows."""
         plan = self.scheduler.prefill_plan(decode_tokens)
-        if not plan:
-            return
         t0 = time.perf_counter()
-        chunks = []
-        for state, n in plan:
-            chunks.append((state.id, state.prompt_ids[state.prefilled : state.prefilled + n]))
+        if plan:
+            chunks = []
+            for state, n in plan:
+                chunks.append((state.id, state.prompt_ids[state.prefilled : state.prefilled + n]))
+            try:
+                self.verifier.prefill(chunks)
+            except Exception as err:
+                for state, _ in plan:
+                    self._end(state, err)
+            else:
+                for state, n in plan:
+                    state.prefilled += n
         try:
-            self.verifier.prefill(chunks)
-        except Exception as err:
-            for state, _ in plan:
-                self._end(state, err)
-            return
-        for state, n in plan:
-            state.prefilled += n
+            self.drafter.advance(self.scheduler.prefill_budget(decode_tokens))
+        except Exception:  # a failed prefill is its row's error at its next propose
+            log.warning("the draft prefill failed", exc_info=True)
         self.timing.prefill_s += time.perf_counter() - t0
 
     # ---- lifecycle -------------------------------------------------------------------

@@ -295,6 +295,10 @@ class GrpcDrafter:
         with contextlib.suppress(WorkerUnavailableError):  # a closed client
             self._send(self._stub.ProposeBatch, touch, lane=True)
 
+    def advance(self, tokens: int) -> None:
+        """The draft actor prefills each Open's prompt on its own side, a chunk at a
+        time between other calls (workers/draft_service.py)."""
+
     def prefetch(self, rows: Sequence[ProposeRow]) -> None:
         """Send the next step's ProposeBatch now (the engine calls this at the end of a
         step, once every row of the next one, joined rows included, has its k): the

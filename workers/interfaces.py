@@ -47,7 +47,10 @@ class Drafter(Protocol):
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:
-        """Prefill the prompt and seed this request's draft sampler."""
+        """Take a row, seed this request's draft sampler and begin the prompt's prefill
+        (an in-process drafter goes on with it at each `advance`, a remote one on its
+        own side; the first propose of the row waits for what is left). A prompt that
+        does not fit raises ValueError, a full draft side WorkerUnavailableError."""
 
     def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
         """Draft every row in one batched pass (K forwards for the longest row). A row
@@ -56,6 +59,12 @@ class Drafter(Protocol):
 
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
         """Keep the first num_accepted drafted tokens, then next_token; drop the rest."""
+
+    def advance(self, tokens: int) -> None:
+        """Go on with the draft prefills that `start` began: about `tokens` prompt
+        tokens this step, at least one chunk while any is left (the step's prefill
+        budget). A remote drafter prefills on its own side and ignores it; a prefill
+        that fails is its row's error at the next propose."""
 
     def prefetch(self, rows: Sequence[ProposeRow]) -> None:
         """The engine's promise: the next propose asks for these rows with these K (a

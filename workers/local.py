@@ -42,14 +42,67 @@ class LocalDrafter:
         self.runner = runner
         self.max_context = runner.max_context
         self._reqs: dict[str, _Request] = {}
+        # sessions whose draft prefill `advance` goes on with (in start order), and the
+        # error of a prefill that failed there, until the row's propose reports it
+        self._opening: dict[str, Iterator[None]] = {}
+        self._failed: dict[str, BaseException] = {}
 
     def start(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, seed: int
     ) -> None:
-        for _ in self.start_chunked(
-            request_id, prompt_ids, sampling, seed, chunk_tokens=DRAFT_PREFILL_CHUNK
-        ):
-            pass
+        """Reserve the row (raising as `start_chunked` does) and leave the prompt's
+        prefill to `advance`, a chunk at a time inside the engine's steps (a long prompt
+        does not stall the running rows), or to the row's first use."""
+        self._forget(request_id)  # a session of this id is replaced (its row with it)
+        steps = self.start_chunked(
+            request_id,
+            prompt_ids,
+            sampling,
+            seed,
+            chunk_tokens=DRAFT_PREFILL_CHUNK,
+            yield_first=True,
+        )
+        try:
+            next(steps)  # the checks and the reservation, no chunk yet
+        except StopIteration:  # a one-token prompt: nothing to prefill
+            return
+        self._opening[request_id] = steps
+
+    def advance(self, tokens: int) -> None:
+        """Prefill chunks of the opening sessions, oldest first, until `tokens` prompt
+        tokens went in (at least one chunk). A chunk that fails frees its row; the
+        error is that row's at its next propose or commit."""
+        spent = 0
+        while self._opening and (spent < tokens or not spent):
+            request_id, steps = next(iter(self._opening.items()))
+            try:
+                next(steps)
+            except StopIteration:
+                del self._opening[request_id]
+                continue
+            except Exception as err:
+                del self._opening[request_id]
+                self._failed[request_id] = err
+                continue
+            spent += DRAFT_PREFILL_CHUNK
+
+    def _opened(self, request_id: str) -> None:
+        """Finish the session's prefill now, if `advance` has not (its first use), and
+        raise the error of a prefill that failed."""
+        err = self._failed.pop(request_id, None)
+        if err is not None:
+            raise err
+        steps = self._opening.pop(request_id, None)
+        if steps is not None:
+            for _ in steps:
+                pass
+
+    def _forget(self, request_id: str) -> None:
+        """Stop an opening session's prefill (its row stays with the runner)."""
+        self._failed.pop(request_id, None)
+        steps = self._opening.pop(request_id, None)
+        if steps is not None:
+            steps.close()
 
     def start_chunked(
         self,
@@ -58,12 +111,14 @@ class LocalDrafter:
         sampling: SamplingParams,
         seed: int,
         chunk_tokens: int | None = None,
+        yield_first: bool = False,
     ) -> Iterator[None]:
-        """`start` a prefill chunk at a time (None: the whole prompt at once): reserves the
-        row at the first step and yields between chunks; the session exists once the
-        iterator is exhausted. A prompt that does not fit raises ValueError and a full
-        draft side WorkerUnavailableError, with nothing reserved; a chunk that raises
-        frees the row. Closed early, it leaves the row to its caller (`release`)."""
+        """Open a session a prefill chunk at a time (None: the whole prompt at once):
+        reserves the row at the first step and yields between chunks (and, with
+        yield_first, between the reservation and the first chunk); the session exists
+        once the iterator is exhausted. A prompt that does not fit raises ValueError and
+        a full draft side WorkerUnavailableError, with nothing reserved; a chunk that
+        raises frees the row. Closed early, it leaves the row to its caller (`release`)."""
         if not prompt_ids or len(prompt_ids) > self.runner.max_context:
             raise ValueError(
                 f"{request_id}: a prompt of {len(prompt_ids)} tokens does not fit the draft "
@@ -81,7 +136,7 @@ class LocalDrafter:
         step = chunk_tokens or max(1, len(body))
         try:
             for at in range(0, len(body), step):
-                if at:
+                if at or yield_first:
                     yield
                 self.runner.forward([request_id], [body[at : at + step]], logits="none")
         except GeneratorExit:  # closed between chunks: the caller owns the row
@@ -97,6 +152,7 @@ class LocalDrafter:
     def room(self, request_id: str) -> int:
         """The widest block the session's row can still take: its pending tokens and
         K - 1 drafts go into the cache (KeyError for an unknown session)."""
+        self._opened(request_id)
         req = self._reqs[request_id]
         return req.reserve - self.runner.length(request_id) - len(req.pending) + 1
 
@@ -104,6 +160,11 @@ class LocalDrafter:
         out: list = [None] * len(rows)
         live = []
         for i, row in enumerate(rows):
+            try:
+                self._opened(row.request_id)  # what `advance` has not prefilled yet
+            except Exception as err:  # this row's draft prefill failed: its error
+                out[i] = err
+                continue
             req = self._reqs.get(row.request_id)
             if req is None:
                 out[i] = StaleBlockError(f"{row.request_id}: no open draft session")
@@ -169,6 +230,7 @@ class LocalDrafter:
         return blocks
 
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+        self._opened(request_id)
         req = self._reqs[request_id]
         if epoch != req.committed:
             raise StaleBlockError(f"{request_id}: commit for length {epoch}, at {req.committed}")
@@ -188,6 +250,7 @@ class LocalDrafter:
         """Nothing to overlap in one process: drafting happens at propose."""
 
     def release(self, request_id: str) -> None:
+        self._forget(request_id)
         self._reqs.pop(request_id, None)
         self.runner.release(request_id)
 

@@ -75,11 +75,15 @@ class Scheduler:
             admitted += 1
         return admitted
 
-    def prefill_plan(self, decode_tokens: int) -> list[tuple[RequestState, int]]:
-        """(request, tokens) chunks for this step: what the decode tokens left of the
+    def prefill_budget(self, decode_tokens: int) -> int:
+        """The prompt tokens a step may prefill: what the decode tokens left of the
         budget, at least min_prefill_chunk (decode tokens are never cut)."""
         c = self.config
-        budget = max(c.max_num_batched_tokens - decode_tokens, c.min_prefill_chunk)
+        return max(c.max_num_batched_tokens - decode_tokens, c.min_prefill_chunk)
+
+    def prefill_plan(self, decode_tokens: int) -> list[tuple[RequestState, int]]:
+        """(request, tokens) chunks for this step, within `prefill_budget`."""
+        budget = self.prefill_budget(decode_tokens)
         plan = []
         for state in self.prefilling:
             n = min(state.to_prefill, budget)

@@ -526,3 +526,38 @@ def test_the_launchers_drain_keys_in_rays_kv_store(ray_session):
     assert time.monotonic() - started < 1.0
     for app in apps:
         clear_drain(app)
+
+
+def test_the_engine_serving_gauge_is_0_while_the_replica_drains():
+    """`cactus_engine_serving` stayed 1 through the launcher's drain (it followed the
+    supervisor's state only), so a dashboard showed a draining replica as serving. The
+    drain now tells the ingress when it begins and ends: 0 while draining, 1 again once
+    the key is gone."""
+    from types import SimpleNamespace
+
+    from tests.deployments.test_ingress import _shim
+
+    shim = _shim(EndlessEngine())
+    assert shim.engine.on_change == shim._engine_changed  # wired by the ingress
+    flag: list = [None]
+    served: list[int] = []
+    shim.metrics.engine_serving = SimpleNamespace(set=served.append)
+    # as a real replica's ingress wraps its engine (the shim's reads no drain key)
+    engine = shim.engine = DrainingEngine(
+        shim.engine.inner, drain_s=5.0, drain_length=lambda: flag[0], flag_poll_s=0.01
+    )
+    engine.on_change = shim._engine_changed
+
+    async def scenario():
+        engine.start_watch()
+        await asyncio.sleep(0.05)
+        assert served == []  # nothing changed yet
+        flag[0] = 5.0
+        await _until(lambda: served == [0])
+        assert engine.refusing
+        flag[0] = None
+        await _until(lambda: served == [0, 1])
+        assert not engine.draining
+        engine._watch.cancel()
+
+    asyncio.run(scenario())

@@ -516,6 +516,87 @@ def test_a_draft_prefill_that_raises_degrades_its_request_alone(
     assert not embedded_engine.has_work()
 
 
+def test_a_draft_prefill_chunk_that_raises_in_a_step_degrades_its_request_alone(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """The in-process drafter prefills a prompt's draft in the engine's steps
+    (`LocalDrafter.advance`): a chunk that fails there frees the draft row and degrades
+    that request alone at its first propose; the others keep their drafts."""
+    reqs = [_req(heldout_prompts[i], f"c{i}", temperature=0.0, max_tokens=12) for i in range(3)]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    runner = embedded_engine.drafter.runner
+    real = runner.forward
+
+    def failing(seq_ids, token_ids, **kw):
+        if kw.get("logits") == "none" and list(seq_ids) == ["c1"]:
+            raise RuntimeError("out of memory in a draft prefill chunk")
+        return real(seq_ids, token_ids, **kw)
+
+    monkeypatch.setattr(runner, "forward", failing)
+    out = _run_together(embedded_engine, reqs)
+    for rid in ("c0", "c1", "c2"):  # greedy: the verifier's tokens, drafts or none
+        assert _result(out[rid]).token_ids == solo[rid], rid
+    assert _result(out["c1"]).stats.draft_failures == 1
+    assert _result(out["c1"]).stats.num_drafts == 0
+    assert _result(out["c0"]).stats.num_drafts > 0 and _result(out["c2"]).stats.num_drafts > 0
+    assert not embedded_engine.has_work() and runner.num_sequences == 0
+
+
+def test_a_long_prompts_draft_prefill_goes_in_within_the_steps_budget(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """The in-process drafter prefilled a new request's whole draft prompt inside its
+    admission, so a long prompt stalled every running row for that long (outside the
+    step's token budget, and counted by the policy as step time). Its draft prefill now
+    goes in a chunk at a time in the steps, within the step's prefill budget, while the
+    running row decodes; each request still gives its solo tokens."""
+    import workers.local
+
+    monkeypatch.setattr(workers.local, "DRAFT_PREFILL_CHUNK", 8)
+    engine = SpeculativeEngine(
+        embedded_engine.drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        scheduler=SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=16, min_prefill_chunk=4, policy="fixed"
+        ),
+    )
+    short = _req(heldout_prompts[0], "short", seed=3, temperature=0.8, max_tokens=40)
+    long = _req(" ".join(heldout_prompts[1:7]), "long", seed=4, temperature=0.8)
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in (short, long)}
+    runner = embedded_engine.drafter.runner
+    real = runner.forward
+    widths: list[int] = []  # draft prefill tokens of the step running now
+
+    def recorded(seq_ids, token_ids, **kw):
+        if kw.get("logits") == "none":
+            widths.append(sum(len(t) for t in token_ids))
+        return real(seq_ids, token_ids, **kw)
+
+    monkeypatch.setattr(runner, "forward", recorded)
+    out = {"short": [], "long": []}
+    engine.add_request(short, out["short"].append)
+    while not engine.scheduler.running:
+        engine.step()
+    engine.add_request(long, out["long"].append)
+    per_step, decoding = [], 0
+    while engine.has_work():
+        widths.clear()
+        batch = engine.step()
+        per_step.append(sum(widths))
+        if widths and batch and any(s.id == "long" for s in engine.scheduler.prefilling):
+            decoding += 1  # the short row decoded in a step that prefilled the long draft
+        assert len(per_step) < 500
+    long_ids = embedded_engine.tokenizer.encode(long.prompt, add_special_tokens=False)
+    assert sum(per_step) >= len(long_ids) - 1  # the whole draft prompt went in
+    # at most the budget's 16 tokens a step, in whole chunks of 8: 24
+    assert max(per_step) <= 24, per_step
+    assert decoding >= 3, per_step
+    for rid in ("short", "long"):
+        assert _result(out[rid]).token_ids == solo[rid], rid
+        assert _result(out[rid]).stats.num_drafts > 0
+
+
 def test_tas_alpha_reaches_the_kernel_per_request(embedded_engine, heldout_prompts):
     """Two tas requests in one batch, alpha 0 (every drafted token with q > 0 accepted)
     and the default: each gives its solo tokens, and alpha 0 accepts more."""

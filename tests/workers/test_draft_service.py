@@ -287,8 +287,11 @@ def test_a_long_prompt_drafts_the_same_in_process_and_through_the_service(
 
     local, local_widths = recording_drafter()
     local.start("a", ids, SamplingParams(max_tokens=16, temperature=0.8), seed=1)
-    assert local_widths == [64, 64, 64, 7]  # the prompt but its last token, in chunks
-    (want,) = local.propose([ProposeRow("a", 4)])
+    assert local_widths == []  # the row is reserved; the engine's steps prefill it
+    local.advance(64)
+    assert local_widths == [64]
+    (want,) = local.propose([ProposeRow("a", 4)])  # the rest first, in the same chunks
+    assert local_widths[:4] == [64, 64, 64, 7]  # the prompt but its last token
     remote, remote_widths = recording_drafter()
     servicer = DraftServicer(remote, prefill_chunk_tokens=64)
 
