@@ -27,6 +27,7 @@ import hmac
 import logging
 import secrets
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -301,7 +302,10 @@ class CactusIngress:
         self.metrics = ServiceMetrics()
         self._engine_seen: dict = {}
         self.started = int(time.time())
-        self.engine.on_change = self._engine_changed  # the replica's drain
+        # the replica's drain; weakly, so the ingress stays free of a reference cycle
+        # (freed, and its __del__ run, when Serve drops it, not at a later collection)
+        changed = weakref.WeakMethod(self._engine_changed)
+        self.engine.on_change = lambda: (method := changed()) is not None and method()
         listeners = getattr(self.engine, "listeners", None)
         if listeners is not None:  # the supervisor: its state and restarts, when they change
             listeners.append(self._engine_changed)

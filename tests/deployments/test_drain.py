@@ -538,10 +538,13 @@ def test_the_engine_serving_gauge_is_0_while_the_replica_drains():
     from tests.deployments.test_ingress import _shim
 
     shim = _shim(EndlessEngine())
-    assert shim.engine.on_change == shim._engine_changed  # wired by the ingress
-    flag: list = [None]
     served: list[int] = []
     shim.metrics.engine_serving = SimpleNamespace(set=served.append)
+    shim.engine.draining = True
+    shim.engine.on_change()  # wired by the ingress
+    assert served == [0]
+    served.clear()
+    flag: list = [None]
     # as a real replica's ingress wraps its engine (the shim's reads no drain key)
     engine = shim.engine = DrainingEngine(
         shim.engine.inner, drain_s=5.0, drain_length=lambda: flag[0], flag_poll_s=0.01
