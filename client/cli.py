@@ -114,7 +114,30 @@ def _client_parser(sub) -> None:
         "--timeout",
         type=float,
         default=120.0,
-        help="the call's deadline in seconds, retries included (default 120)",
+        help="the call's deadline in seconds, retries included (default 120); past it "
+        "the call fails with DEADLINE_EXCEEDED",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        dest="time_limit_s",
+        help="the server's time limit for the request in seconds (time_limit_s): past "
+        "it the text so far comes back with finish_reason TIME_LIMIT (exit 0); keep it "
+        "under --timeout (unset: what is left of --timeout)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect over TLS, checking the server's certificate against the system's "
+        "root certificates (a TLS-terminating proxy in front of the server)",
+    )
+    p.add_argument(
+        "--ca-cert",
+        default=None,
+        metavar="PEM",
+        help="connect over TLS, checking the server's certificate against this PEM file "
+        "of root certificates (implies --tls)",
     )
 
 
@@ -134,6 +157,7 @@ def client_kwargs(args) -> dict:
         "delta": args.delta,
         "num_speculative_tokens": args.k,
         "max_divergence_nats": args.max_divergence_nats,
+        "time_limit_s": args.time_limit_s,
     }
 
 
@@ -170,6 +194,22 @@ def reply_json(replies) -> dict:
     }
 
 
+def _credentials(args):
+    """`--tls` / `--ca-cert`: TLS channel credentials; None: a plain-text channel."""
+    import grpc
+
+    if args.ca_cert is None:
+        return grpc.ssl_channel_credentials() if args.tls else None
+    try:
+        with open(args.ca_cert, "rb") as f:
+            roots = f.read()
+    except OSError as err:
+        raise ValueError(f"--ca-cert: cannot read {args.ca_cert!r}: {err.strerror}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in roots:
+        raise ValueError(f"--ca-cert: {args.ca_cert!r} holds no PEM certificate")
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
 def client(args) -> int:
     """Exit status: 0 done; 2 a bad value, found here (ValueError) or by the server
     (INVALID_ARGUMENT), as `cactus generate` exits for a bad field; 1 any other error."""
@@ -179,7 +219,9 @@ def client(args) -> int:
 
     c = None
     try:
-        c = CactusClient(args.address, token=args.token, timeout=args.timeout)
+        c = CactusClient(
+            args.address, token=args.token, timeout=args.timeout, credentials=_credentials(args)
+        )
         kw = client_kwargs(args)
         if args.stream:
             chunks = []
@@ -212,8 +254,8 @@ def _cut_short(finish_reason: str) -> int:
     1, a time limit 0 (the request's own limit, as "length" over HTTP)."""
     if finish_reason == "TIME_LIMIT":
         print(
-            "note: finish_reason TIME_LIMIT: the time limit (--timeout, or the server's "
-            "limits.request_timeout_s) ended the text early",
+            "note: finish_reason TIME_LIMIT: the request's time limit (--time-limit) "
+            "ended the text early",
             file=sys.stderr,
         )
     elif finish_reason == "ABORT":

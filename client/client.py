@@ -348,7 +348,7 @@ async def _read(call):
 class _Client:
     """What both clients share: the channel, stubs, deadline, token and retry policy."""
 
-    _channel = None  # grpc.insecure_channel or grpc.aio.insecure_channel
+    _grpc = grpc  # grpc or grpc.aio: the module whose channels the client opens
 
     def __init__(
         self,
@@ -357,6 +357,7 @@ class _Client:
         timeout: float = 60.0,
         max_message_bytes: int = 64 << 20,
         retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -368,14 +369,30 @@ class _Client:
                 f"retry: must be a RetryPolicy (NO_RETRY turns retries off) or None, "
                 f"got {retry!r} ({type(retry).__name__})"
             )
-        self.channel = self._channel(address, options=options)
-        self.stub = pb_grpc.CactusStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        if credentials is not None and not isinstance(credentials, grpc.ChannelCredentials):
+            raise ValueError(
+                "credentials: must be grpc.ChannelCredentials (grpc.ssl_channel_credentials"
+                f"(...)) or None for a plain-text channel, got {type(credentials).__name__}"
+            )
+        self._target = (address, options, credentials)
+        self._connect()
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.retry = RetryPolicy() if retry is None else retry
         self._rng = random.Random()
         self.last_attempts = 0  # attempts the last call made (tests, logs)
         self.last_call = None  # the latest stream (a StreamCall, to cancel it); None before one
+
+    def _open(self) -> tuple:
+        """A channel and its stubs: TLS with `credentials`, plain text without."""
+        address, options, credentials = self._target
+        if credentials is None:
+            channel = self._grpc.insecure_channel(address, options=options)
+        else:
+            channel = self._grpc.secure_channel(address, credentials, options=options)
+        return channel, pb_grpc.CactusStub(channel), health_pb2_grpc.HealthStub(channel)
+
+    def _connect(self) -> None:
+        self.channel, self.stub, self.health_stub = self._open()
 
     def _deadline_s(self, timeout: float | None) -> float:
         """A call's deadline: its own `timeout`, or the client's where it is None."""
@@ -389,8 +406,6 @@ class CactusClient(_Client):
     retries; `token` is sent as `authorization: Bearer <token>` metadata; `retry`
     (default RetryPolicy(); NO_RETRY turns it off) applies before the first response.
     """
-
-    _channel = staticmethod(grpc.insecure_channel)
 
     @staticmethod
     def request(
@@ -563,8 +578,10 @@ class CactusClient(_Client):
                 except grpc.RpcError as err:
                     pause = attempts.wait_after(err)
                     self.last_attempts = attempts.made
-                    if pause is None or handle.cancel_requested:
+                    if pause is None:
                         raise
+                    if handle.cancel_requested:  # between the failure and the pause
+                        raise _cancelled_error() from None
                     handle.pause(pause)
                     if handle.cancel_requested:
                         raise _cancelled_error() from None
@@ -602,11 +619,37 @@ class CactusClient(_Client):
 
 class AsyncCactusClient(_Client):
     """The asyncio client (grpc.aio): the same methods as CactusClient, awaited;
-    `stream` is an async iterator. Same deadlines, token and retry policy."""
+    `stream` is an async iterator. Same deadlines, token, credentials and retry policy.
 
-    _channel = staticmethod(grpc.aio.insecure_channel)
+    It may be built anywhere (at module level, before `asyncio.run`): a grpc.aio channel
+    belongs to one event loop, so the channel opens at the first call, on that call's
+    loop, and a call from another loop later (a second `asyncio.run`) opens a new one."""
+
+    _grpc = grpc.aio
 
     request = staticmethod(CactusClient.request)
+
+    def _connect(self) -> None:
+        self._loop = None  # the event loop the channel belongs to; none yet
+        self._conn: tuple | None = None
+
+    def _bound(self) -> tuple:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._conn is None:
+            self._conn, self._loop = self._open(), loop
+        return self._conn
+
+    @property
+    def channel(self):
+        return self._bound()[0]
+
+    @property
+    def stub(self):
+        return self._bound()[1]
+
+    @property
+    def health_stub(self):
+        return self._bound()[2]
 
     async def generate(self, prompt, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         msg = self.request(prompt, **kw)
@@ -662,8 +705,10 @@ class AsyncCactusClient(_Client):
                 except grpc.RpcError as err:
                     pause = attempts.wait_after(err)
                     self.last_attempts = attempts.made
-                    if pause is None or handle.cancel_requested:
+                    if pause is None:
                         raise
+                    if handle.cancel_requested:  # between the failure and the pause
+                        raise _cancelled_error() from None
                     await handle.apause(pause)
                     if handle.cancel_requested:
                         raise _cancelled_error() from None
@@ -697,4 +742,7 @@ class AsyncCactusClient(_Client):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
-        await self.channel.close()
+        """Close the channel (of this event loop; one of a loop now gone went with it)."""
+        if self._conn is not None and self._loop is asyncio.get_running_loop():
+            await self._conn[0].close()
+        self._loop = self._conn = None

@@ -395,6 +395,21 @@ def test_a_text_cut_short_says_so(recorder, capsys, stream):
     assert capsys.readouterr().err == ""
 
 
+def test_client_time_limit_is_the_requests_own_and_timeout_bounds_it(recorder, capsys):
+    """`--time-limit` is the request's server-side time_limit_s (what ends a text
+    early with TIME_LIMIT, exit 0); without it the request carries what is left of
+    `--timeout` (the client library's safety net for a lost cancel)."""
+    servicer, address = recorder
+    base = ["client", "--address", address, "--prompt", "x"]
+    assert main([*base, "--time-limit", "2.5", "--timeout", "30"]) == 0
+    assert servicer.received[-1].time_limit_s == pytest.approx(2.5)
+    assert main([*base, "--timeout", "30"]) == 0
+    assert 25.0 < servicer.received[-1].time_limit_s <= 30.0
+    capsys.readouterr()
+    assert main([*base, "--time-limit", "nan"]) == 2  # (ranges are the server's to check)
+    assert "time_limit_s" in capsys.readouterr().err
+
+
 def test_client_sends_stop_token_ids_and_a_divergence_ceiling(recorder, capsys):
     """The two fields `cactus generate` had and `cactus client` did not."""
     servicer, address = recorder

@@ -700,6 +700,67 @@ def test_a_stream_cancelled_before_it_starts_or_while_it_waits_to_retry_makes_no
     assert asyncio.run(run()) == (cancelled, 0, cancelled, 1, True)
 
 
+def test_a_cancel_between_a_retryable_failure_and_its_pause_raises_cancelled(
+    flaky, monkeypatch
+):
+    """A `last_call.cancel()` that landed after an attempt's RESOURCE_EXHAUSTED arrived
+    but before the pause began re-raised RESOURCE_EXHAUSTED: the caller who cancelled
+    got the overload error. Both clients now raise CANCELLED there, and call no more."""
+    import client.client as client_module
+
+    servicer, address = flaky
+    servicer.failures, servicer.code = 1, grpc.StatusCode.RESOURCE_EXHAUSTED
+    real = client_module._Attempts.wait_after
+    holder: dict = {}
+
+    def cancelling(self, err):  # the cancel arrives just as the failure is read
+        holder["client"].last_call.cancel()
+        return real(self, err)
+
+    monkeypatch.setattr(client_module._Attempts, "wait_after", cancelling)
+    client = holder["client"] = CactusClient(address, retry=FAST, timeout=10)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream("x"))
+    assert err.value.code() == grpc.StatusCode.CANCELLED and servicer.calls == 1
+    client.close()
+
+    async def run():
+        aclient = holder["client"] = AsyncCactusClient(address, retry=FAST, timeout=10)
+        servicer.calls = 0
+        try:
+            return [c.text async for c in aclient.stream("x")]
+        except grpc.RpcError as failed:
+            return failed.code(), servicer.calls
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run()) == (grpc.StatusCode.CANCELLED, 1)
+
+
+def test_the_async_client_may_be_built_outside_an_event_loop(flaky):
+    """A grpc.aio channel belongs to one event loop: built at module level (outside
+    any loop, as the blocking client is in the README) and called in `asyncio.run`,
+    the client's calls failed with "attached to a different loop". Its channel now
+    opens at the first call, on that loop, and again on a later loop."""
+    servicer, address = flaky
+    aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+
+    async def call():
+        reply = await asyncio.wait_for(aclient.generate("x"), 5)
+        texts = [c.text async for c in aclient.stream("x")]
+        return reply.text, texts, await aclient.health()
+
+    assert asyncio.run(call()) == ("ok", ["a", "b"], "SERVING")
+    assert asyncio.run(call()) == ("ok", ["a", "b"], "SERVING")  # a second loop
+
+    async def closing():
+        out = await call()
+        await aclient.close()
+        return out
+
+    assert asyncio.run(closing())[0] == "ok"
+
+
 @pytest.mark.parametrize("retry", [False, 0, 3, {"max_attempts": 1}])
 def test_a_retry_that_is_no_policy_is_a_value_error_naming_it(retry):
     """`retry=False` used to mean the default policy (five attempts, the opposite of
