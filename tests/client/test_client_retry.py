@@ -700,9 +700,7 @@ def test_a_stream_cancelled_before_it_starts_or_while_it_waits_to_retry_makes_no
     assert asyncio.run(run()) == (cancelled, 0, cancelled, 1, True)
 
 
-def test_a_cancel_between_a_retryable_failure_and_its_pause_raises_cancelled(
-    flaky, monkeypatch
-):
+def test_a_cancel_between_a_retryable_failure_and_its_pause_raises_cancelled(flaky, monkeypatch):
     """A `last_call.cancel()` that landed after an attempt's RESOURCE_EXHAUSTED arrived
     but before the pause began re-raised RESOURCE_EXHAUSTED: the caller who cancelled
     got the overload error. Both clients now raise CANCELLED there, and call no more."""
@@ -742,7 +740,7 @@ def test_the_async_client_may_be_built_outside_an_event_loop(flaky):
     any loop, as the blocking client is in the README) and called in `asyncio.run`,
     the client's calls failed with "attached to a different loop". Its channel now
     opens at the first call, on that loop, and again on a later loop."""
-    servicer, address = flaky
+    _, address = flaky
     aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
 
     async def call():

@@ -27,7 +27,7 @@ def _self_signed() -> tuple[bytes, bytes]:
     """A key and a certificate for localhost and 127.0.0.1, valid for a day."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -67,7 +67,7 @@ def tls_server():
 
 
 def test_both_clients_call_a_tls_server_with_its_root_certificate(tls_server):
-    servicer, address, cert = tls_server
+    _, address, cert = tls_server
     creds = grpc.ssl_channel_credentials(root_certificates=cert)
     client = CactusClient(address, credentials=creds, timeout=10, token="secret")
     assert client.generate("x").text == "ok"
@@ -99,7 +99,7 @@ def test_a_plain_text_client_cannot_call_a_tls_server(tls_server):
 def test_credentials_that_are_not_channel_credentials_are_a_value_error():
     for bad in ("tls", True, b"-----BEGIN CERTIFICATE-----"):
         for cls in (CactusClient, AsyncCactusClient):
-            with pytest.raises(ValueError, match="^credentials: must be grpc.ChannelCredentials"):
+            with pytest.raises(ValueError, match=r"^credentials: must be grpc\.ChannelCredentials"):
                 cls("127.0.0.1:1", credentials=bad)
 
 
