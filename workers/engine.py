@@ -416,7 +416,10 @@ class SpeculativeEngine:
         """One batched draft pass; a row whose drafter failed goes on without drafts."""
         for state in running:
             state.planned_k = None
-        ks = [min(k, s.num_draft_tokens()) for s, k in zip(running, planned, strict=True)]
+        ks = [
+            min(k, s.num_draft_tokens()) if self._draft_ready(s) else 0
+            for s, k in zip(running, planned, strict=True)
+        ]
         rows = [ProposeRow(s.id, k) for s, k in zip(running, ks, strict=True) if k > 0]
         blocks: dict[str, DraftBlock] = {}
         if not rows:
@@ -437,6 +440,19 @@ class SpeculativeEngine:
                 self._drafter_failed(by_id[row.request_id], block, traced=traced)
         ks = [k if s.id in blocks else 0 for s, k in zip(running, ks, strict=True)]
         return ks, blocks
+
+    def _draft_ready(self, state: RequestState) -> bool:
+        """A row re-opened on a new drafter drafts once that drafter has prefilled its
+        context; until then it decodes plainly (its commits wait in the drafter), so
+        the step does not wait for every running request's whole re-prefill. A new
+        request's first propose still waits for its Open, which its own chunked
+        prefill here overlaps (and seeded requests keep their tokens)."""
+        if not state.draft_reopening:
+            return True
+        if not self.drafter.opened(state.id):
+            return False
+        state.draft_reopening = False
+        return True
 
     def _accept(self, running, ks, blocks, logits):
         """Ragged acceptance over every row (K_i = 0 rows: plain sampling from q)."""
@@ -572,6 +588,8 @@ class SpeculativeEngine:
             state.drafting = True
             state.draft_epoch += 1
             self._open_draft(state)
+            # a row still prefilling its prompt here waits for its Open as a new one
+            state.draft_reopening = state.drafting and state in self.scheduler.running
             reopened += state.drafting
         return reopened
 

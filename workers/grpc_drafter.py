@@ -295,6 +295,10 @@ class GrpcDrafter:
         with contextlib.suppress(WorkerUnavailableError):  # a closed client
             self._send(self._stub.ProposeBatch, touch, lane=True)
 
+    def opened(self, request_id: str) -> bool:
+        session = self._sessions.get(request_id)
+        return session is None or session.opening is None or session.opening.done()
+
     def advance(self, tokens: int) -> None:
         """The draft actor prefills each Open's prompt on its own side, a chunk at a
         time between other calls (workers/draft_service.py)."""

@@ -60,6 +60,10 @@ class Drafter(Protocol):
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
         """Keep the first num_accepted drafted tokens, then next_token; drop the rest."""
 
+    def opened(self, request_id: str) -> bool:
+        """Whether the session's draft prefill is done (or failed): a propose of it
+        would not wait for it."""
+
     def advance(self, tokens: int) -> None:
         """Go on with the draft prefills that `start` began: about `tokens` prompt
         tokens this step, at least one chunk while any is left (the step's prefill

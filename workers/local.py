@@ -68,6 +68,9 @@ class LocalDrafter:
             return
         self._opening[request_id] = steps
 
+    def opened(self, request_id: str) -> bool:
+        return request_id not in self._opening
+
     def advance(self, tokens: int) -> None:
         """Prefill chunks of the opening sessions, oldest first, until `tokens` prompt
         tokens went in (at least one chunk). A chunk that fails frees its row; the

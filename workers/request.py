@@ -207,6 +207,9 @@ class RequestState:
         self.released_chars = min(request.resume_text_chars, len(self.detok.text))
         self.drafting = request.speculation.rule != "none"  # False once the drafter failed
         self.draft_epoch = 0  # draft sessions re-opened on a new drafter (new draft seed)
+        # re-opened on a new drafter and not yet drafted from: decodes plainly while the
+        # drafter prefills its context, rather than the step waiting for that
+        self.draft_reopening = False
         self.group = group_of(request.speculation)  # acceptance group (workers/policy.py)
         self.planned_k: int | None = None  # k chosen for the next step
         self.expected_tokens = 1.0  # the policy's expectation of that step's tokens

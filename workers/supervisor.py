@@ -52,6 +52,7 @@ from cactus.errors import (
     unwrap,
 )
 from cactus.params import GenerationRequest
+from workers.engine_loop import EngineLoopStopped
 from workers.request import GenerationChunk, GenerationResult, resumed_seed
 
 logger = logging.getLogger("cactus.supervisor")
@@ -173,10 +174,14 @@ class EngineSupervisor:
             except Exception:
                 return False
 
-        ranks = [answers(r.ping.remote()) for r in group.ranks]
-        draft = answers(group.draft.status.remote()) if group.draft is not None else None
+        members = list(group.ranks)  # (a gang restart replaces the list)
+        ranks = [answers(r.ping.remote()) for r in members]
+        # read once: a draft replacement (another thread) sets it to None and back, and
+        # a None between two reads raised here, ending the monitor until its restart
+        actor = group.draft
+        draft = answers(actor.status.remote()) if actor is not None else None
         results = await asyncio.gather(*ranks, *([draft] if draft is not None else []))
-        ranks_ok = bool(group.ranks) and all(results[: len(ranks)])
+        ranks_ok = bool(members) and all(results[: len(ranks)])
         return ranks_ok, draft is not None and results[-1]
 
     async def _replace_draft(self) -> None:
@@ -313,8 +318,8 @@ class EngineSupervisor:
                     wait.cancel()
         if cancelled is not None and cancelled.is_set():
             raise RequestCancelledError(f"request {request_id} cancelled")
-        if self.closed:
-            raise WorkerUnavailableError("the engine was shut down; retry on another replica")
+        if self.closed:  # the replica is torn down: counted as a cut, CANCELLED
+            raise EngineLoopStopped("the engine was shut down; retry on another replica")
         if self.state != SERVING:
             raise WorkerUnavailableError("the engine is restarting; retry later")
         return self.generation

@@ -364,3 +364,82 @@ def test_a_request_released_as_its_open_leaves_frees_its_row_within_a_chunk(tiny
         assert took < 1.5, took  # 0.33 s; without the repeated Close 3.6-3.7 s
         assert set(servicer.sessions) == {"short"}
         assert runner.num_sequences == 1
+
+
+def test_rows_reopened_on_a_new_draft_actor_decode_while_it_prefills(
+    embedded_engine, heldout_prompts
+):
+    """A new draft actor (the old one died) re-opens every running request's session
+    from its whole context. The first propose after the attach waited for those Opens,
+    so the whole batch stopped for the sum of their draft prefills (each at a chunk's
+    pace here). The re-opened rows now decode plainly while their Opens run, the steps
+    go on, and they draft again once the new actor has their context; greedy outputs
+    stay the verifier's."""
+    from cactus.params import GenerationRequest, SpeculationParams
+    from tests.conftest import embedded_dirs
+    from workers.engine import SpeculativeEngine
+    from workers.scheduler import SchedulerConfig
+
+    _, draft_dir = embedded_dirs()
+    vocab = embedded_engine.verifier.vocab_size
+
+    def server_runner(slow_s: float) -> BatchRunner:
+        runner = BatchRunner(draft_dir, max_num_seqs=4)
+        real = runner.forward
+
+        def forward(seq_ids, token_ids, **kw):
+            if kw.get("logits") == "none":  # a prefill chunk
+                time.sleep(slow_s)
+            return real(seq_ids, token_ids, **kw)
+
+        runner.forward = forward
+        return runner
+
+    first = DraftServicer(LocalDrafter(server_runner(0.0)))
+    second = DraftServicer(LocalDrafter(server_runner(0.15)), prefill_chunk_tokens=8)
+    reqs = [
+        GenerationRequest(
+            prompt=heldout_prompts[i],
+            request_id=f"g{i}",
+            sampling=SamplingParams(max_tokens=48, temperature=0.0),
+            speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
+        )
+        for i in range(2)
+    ]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    with _serving(first) as address, _serving(second) as new_address:
+        engine = SpeculativeEngine(
+            GrpcDrafter(address, vocab_size=vocab),
+            embedded_engine.verifier,
+            embedded_engine.tokenizer,
+            scheduler=SchedulerConfig(policy="fixed"),
+        )
+        out: dict = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            engine.add_request(r, out[r.request_id].append)
+        steps = 0
+        while steps < 4:  # both rows drafting on the first actor
+            engine.step()
+            steps += 1
+        old = engine.drafter
+        assert engine.attach_drafter(GrpcDrafter(new_address, vocab_size=vocab)) == 2
+        old.close()
+        while_reopening, drafted_after = 0, 0
+        while engine.has_work():
+            drafts = {s.id: s.stats.num_drafts for s in engine.scheduler.running}
+            reopening = bool(second._opening)
+            engine.step()
+            steps += 1
+            if reopening and second._opening:
+                while_reopening += 1  # a whole step while the re-prefills ran
+            for state in engine.scheduler.running:
+                drafted_after += state.stats.num_drafts > drafts.get(state.id, 0)
+            assert steps < 500
+        engine.drafter.close()
+    # each context is about 30-40 tokens: 4-5 chunks of 0.15 s, both interleaved
+    assert while_reopening >= 2, while_reopening
+    assert drafted_after > 0  # the rows draft again on the new actor
+    for r in reqs:
+        result = out[r.request_id][-1].result
+        assert result.token_ids == solo[r.request_id]
+        assert result.stats.draft_failures == 0

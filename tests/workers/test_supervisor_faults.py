@@ -607,3 +607,33 @@ def test_a_cancel_drops_a_call_still_queued_for_a_rank0_thread(ray_session):
     assert seen == ["running"]  # the queued call never ran
     assert group._calls == {}  # nothing left registered
     ray.kill(rank0)
+
+
+def test_a_draft_replacement_clearing_the_actor_mid_probe_does_not_break_the_probe():
+    """The probe read `group.draft` twice; a draft replacement (another thread) sets it
+    to None while it loads the new actor, and a None between the two reads raised
+    AttributeError, which ended the monitor until the next request or health check.
+    It now reads it once: the probe answers, saying the draft is not there."""
+
+    class Vanishing(FlakyGroup):
+        def __init__(self) -> None:
+            super().__init__(fail=0)
+            self.reads = 0
+            self.actor = SimpleNamespace(status=_Answer())
+
+        @property
+        def draft(self):
+            self.reads += 1
+            return self.actor if self.reads == 1 else None  # gone after the first read
+
+        @draft.setter
+        def draft(self, value) -> None:
+            pass
+
+    async def run():
+        group = Vanishing()
+        sup = EngineSupervisor(group, _config())
+        return await sup._probe(), group.reads
+
+    (ranks_ok, draft_ok), reads = asyncio.run(run())
+    assert ranks_ok and draft_ok and reads == 1

@@ -296,3 +296,29 @@ def test_a_cancel_while_a_restart_has_no_rank_0_does_not_raise():
     group = EngineGroup(GroupConfig("verifier", "draft"))
     assert group.ranks == []
     group.cancel("r1")  # no rank 0: nothing to cancel, no error
+
+
+def test_a_request_waiting_for_a_restart_when_the_replica_is_torn_down_counts_as_cancelled():
+    """README: `cactus_request_failure` says CANCELLED "for a request running when its
+    replica is torn down, which gets UNAVAILABLE". One waiting for a gang restart then
+    ended with a plain WorkerUnavailableError, counted ERROR (a bug, to a dashboard);
+    it now ends as a request of a stopped engine loop does."""
+    from deployments.metrics import failure_reason
+
+    async def run():
+        group = FlakyGroup(fail=1, restart_s=1.5)  # (asyncio.run waits for its thread)
+        sup = EngineSupervisor(group, _config(recovery_timeout_s=30.0))
+        first = asyncio.create_task(sup.agenerate(_req("first")))
+        while sup.state == "SERVING":
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(sup.agenerate(_req("waiting")))
+        await asyncio.sleep(0.1)
+        group.shutdown = lambda: None
+        sup.shutdown()  # Serve tears the replica down (its __del__)
+        errors = await asyncio.gather(first, waiting, return_exceptions=True)
+        return errors
+
+    for err in asyncio.run(run()):
+        assert isinstance(err, WorkerUnavailableError), err
+        assert "shut down" in str(err)
+        assert failure_reason(err) == "CANCELLED"
