@@ -622,22 +622,27 @@ class AsyncCactusClient(_Client):
     `stream` is an async iterator. Same deadlines, token, credentials and retry policy.
 
     It may be built anywhere (at module level, before `asyncio.run`): a grpc.aio channel
-    belongs to one event loop, so the channel opens at the first call, on that call's
-    loop, and a call from another loop later (a second `asyncio.run`) opens a new one."""
+    belongs to one event loop, so the client opens one per loop at that loop's first
+    call (a second `asyncio.run`, or loops in several threads); `close` closes the
+    calling loop's."""
 
     _grpc = grpc.aio
 
     request = staticmethod(CactusClient.request)
 
     def _connect(self) -> None:
-        self._loop = None  # the event loop the channel belongs to; none yet
-        self._conn: tuple | None = None
+        self._conns: dict = {}  # event loop -> its channel and stubs
 
     def _bound(self) -> tuple:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._conn is None:
-            self._conn, self._loop = self._open(), loop
-        return self._conn
+        conn = self._conns.get(loop)
+        if conn is None:
+            # the channels of loops that have closed are dropped (a channel holds its
+            # loop: weak keys would never go); their calls ended with their loop
+            for gone in [other for other in self._conns if other.is_closed()]:
+                del self._conns[gone]
+            conn = self._conns[loop] = self._open()
+        return conn
 
     @property
     def channel(self):
@@ -742,7 +747,7 @@ class AsyncCactusClient(_Client):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
-        """Close the channel (of this event loop; one of a loop now gone went with it)."""
-        if self._conn is not None and self._loop is asyncio.get_running_loop():
-            await self._conn[0].close()
-        self._loop = self._conn = None
+        """Close this event loop's channel (one of a loop now gone went with it)."""
+        conn = self._conns.pop(asyncio.get_running_loop(), None)
+        if conn is not None:
+            await conn[0].close()

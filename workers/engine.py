@@ -296,12 +296,21 @@ class SpeculativeEngine:
         rows = [s for s in self.scheduler.running if s.finish_reason is None]
         if not rows and not self.scheduler.prefilling:
             return
+        for state in rows:
+            if state.draft_reopening and self.drafter.opened(state.id):
+                state.draft_reopening = False  # it drafts from the next step on
         self._plan(rows)
         try:
             # with no row (prompts still prefilling) an empty promise: a remote drafter
             # renews its sessions' leases from these calls (workers/grpc_drafter.py), and
             # a long prefill must not lose the draft session it opened
-            self.drafter.prefetch([ProposeRow(s.id, s.planned_k) for s in rows if s.planned_k])
+            self.drafter.prefetch(
+                [
+                    ProposeRow(s.id, s.planned_k)
+                    for s in rows
+                    if s.planned_k and not s.draft_reopening  # (it decodes plainly)
+                ]
+            )
         except Exception:  # only a head start: the next propose asks again, and a
             # drafter that is gone degrades the rows it concerns there, one by one
             log.warning("draft prefetch failed; the next step proposes without it", exc_info=True)
@@ -443,16 +452,12 @@ class SpeculativeEngine:
 
     def _draft_ready(self, state: RequestState) -> bool:
         """A row re-opened on a new drafter drafts once that drafter has prefilled its
-        context; until then it decodes plainly (its commits wait in the drafter), so
+        context (seen in `_plan_next`, so the row is in the prefetch of the step that
+        drafts it); until then it decodes plainly (its commits wait in the drafter), so
         the step does not wait for every running request's whole re-prefill. A new
         request's first propose still waits for its Open, which its own chunked
         prefill here overlaps (and seeded requests keep their tokens)."""
-        if not state.draft_reopening:
-            return True
-        if not self.drafter.opened(state.id):
-            return False
-        state.draft_reopening = False
-        return True
+        return not state.draft_reopening
 
     def _accept(self, running, ks, blocks, logits):
         """Ragged acceptance over every row (K_i = 0 rows: plain sampling from q)."""

@@ -8,6 +8,7 @@ row's length drops and the rejected slots are overwritten by the next forward.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,14 @@ class _Request:
         self.drafted: list[int] = []  # the last proposed block
 
 
+@dataclass
+class _Opening:
+    steps: Iterator[None]  # `start_chunked`'s, one chunk a next()
+    left: int  # prompt tokens still to prefill
+    chunk: int
+    commits: list[tuple[int, int]] = field(default_factory=list)  # (epoch, token), k = 0
+
+
 class LocalDrafter:
     """Draft model in this process: drafts every row of a step in K batched forwards,
     sampling each drafted token from the row's processed p."""
@@ -44,7 +53,7 @@ class LocalDrafter:
         self._reqs: dict[str, _Request] = {}
         # sessions whose draft prefill `advance` goes on with (in start order), and the
         # error of a prefill that failed there, until the row's propose reports it
-        self._opening: dict[str, Iterator[None]] = {}
+        self._opening: dict[str, _Opening] = {}
         self._failed: dict[str, BaseException] = {}
 
     def start(
@@ -52,21 +61,17 @@ class LocalDrafter:
     ) -> None:
         """Reserve the row (raising as `start_chunked` does) and leave the prompt's
         prefill to `advance`, a chunk at a time inside the engine's steps (a long prompt
-        does not stall the running rows), or to the row's first use."""
+        does not stall the running rows), or to the row's first propose."""
         self._forget(request_id)  # a session of this id is replaced (its row with it)
+        chunk = DRAFT_PREFILL_CHUNK
         steps = self.start_chunked(
-            request_id,
-            prompt_ids,
-            sampling,
-            seed,
-            chunk_tokens=DRAFT_PREFILL_CHUNK,
-            yield_first=True,
+            request_id, prompt_ids, sampling, seed, chunk_tokens=chunk, yield_first=True
         )
         try:
             next(steps)  # the checks and the reservation, no chunk yet
         except StopIteration:  # a one-token prompt: nothing to prefill
             return
-        self._opening[request_id] = steps
+        self._opening[request_id] = _Opening(steps, len(prompt_ids) - 1, chunk)
 
     def opened(self, request_id: str) -> bool:
         return request_id not in self._opening
@@ -77,35 +82,49 @@ class LocalDrafter:
         error is that row's at its next propose or commit."""
         spent = 0
         while self._opening and (spent < tokens or not spent):
-            request_id, steps = next(iter(self._opening.items()))
+            request_id, opening = next(iter(self._opening.items()))
+            n = min(opening.chunk, opening.left)  # every next() runs one chunk
+            spent += n
             try:
-                next(steps)
-            except StopIteration:
-                del self._opening[request_id]
-                continue
+                next(opening.steps)
+                opening.left -= n
+            except StopIteration:  # that was its last chunk
+                try:
+                    self._finish(request_id)
+                except Exception as err:
+                    self._failed[request_id] = err
             except Exception as err:
                 del self._opening[request_id]
                 self._failed[request_id] = err
-                continue
-            spent += DRAFT_PREFILL_CHUNK
+
+    def _finish(self, request_id: str) -> None:
+        """The session exists: apply the commits that waited for its prefill."""
+        opening = self._opening.pop(request_id)
+        for epoch, next_token in opening.commits:
+            self._commit(request_id, epoch, 0, next_token)
 
     def _opened(self, request_id: str) -> None:
-        """Finish the session's prefill now, if `advance` has not (its first use), and
-        raise the error of a prefill that failed."""
+        """Finish the session's prefill now, if `advance` has not (its first propose),
+        and raise the error of a prefill that failed."""
         err = self._failed.pop(request_id, None)
         if err is not None:
             raise err
-        steps = self._opening.pop(request_id, None)
-        if steps is not None:
-            for _ in steps:
-                pass
+        opening = self._opening.get(request_id)
+        if opening is not None:
+            try:
+                for _ in opening.steps:
+                    pass
+            except BaseException:
+                del self._opening[request_id]
+                raise
+            self._finish(request_id)
 
     def _forget(self, request_id: str) -> None:
         """Stop an opening session's prefill (its row stays with the runner)."""
         self._failed.pop(request_id, None)
-        steps = self._opening.pop(request_id, None)
-        if steps is not None:
-            steps.close()
+        opening = self._opening.pop(request_id, None)
+        if opening is not None:
+            opening.steps.close()
 
     def start_chunked(
         self,
@@ -233,7 +252,18 @@ class LocalDrafter:
         return blocks
 
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
+        opening = self._opening.get(request_id)
+        if opening is not None and request_id not in self._failed:
+            # a row that decoded without drafts while its prefill goes on (a re-opened
+            # session): the commit waits for the session, the step does not wait for it
+            if num_accepted:
+                raise StaleBlockError(f"{request_id}: a commit of drafts never proposed")
+            opening.commits.append((epoch, next_token))
+            return
         self._opened(request_id)
+        self._commit(request_id, epoch, num_accepted, next_token)
+
+    def _commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
         req = self._reqs[request_id]
         if epoch != req.committed:
             raise StaleBlockError(f"{request_id}: commit for length {epoch}, at {req.committed}")

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from cactus.errors import (
     InvalidRequestError,
     RequestCancelledError,
+    ServerShuttingDownError,
     WorkerUnavailableError,
     is_engine_failure,
     unwrap,
@@ -290,10 +291,14 @@ class EngineSupervisor:
         self._ready.set()
         self._changed()
 
-    async def _wait_ready(self, deadline: float | None, request_id: str = "") -> int:
+    async def _wait_ready(
+        self, deadline: float | None, request_id: str = "", attempt: int = 0
+    ) -> int:
         """The engine generation to run on, once it serves; UNAVAILABLE if it does not
         within the request's deadline (or the recovery timeout). A request cancelled
-        before or during the wait (a drain's cut) ends at once, RequestCancelledError."""
+        before or during the wait (a drain's cut) ends at once, RequestCancelledError.
+        Shut down: a request that ran or waited ends as one of a stopped engine loop
+        (a cut, CANCELLED in the metrics); a new one is refused (counted nowhere)."""
         self._ensure_started()
         cancelled = self._cancelled.get(request_id)
         limit = self.config.recovery_timeout_s
@@ -302,7 +307,9 @@ class EngineSupervisor:
         until = time.monotonic() + max(0.0, limit)
         # a loop: a restart that succeeded may fail again before this request runs (the
         # new engine died at once), and the request then waits for the next one
+        waited = False
         while self.state == RECOVERING and not self.closed:
+            waited = True
             if cancelled is not None and cancelled.is_set():
                 break
             left = until - time.monotonic()
@@ -318,8 +325,11 @@ class EngineSupervisor:
                     wait.cancel()
         if cancelled is not None and cancelled.is_set():
             raise RequestCancelledError(f"request {request_id} cancelled")
-        if self.closed:  # the replica is torn down: counted as a cut, CANCELLED
-            raise EngineLoopStopped("the engine was shut down; retry on another replica")
+        if self.closed:  # the replica is torn down
+            message = "the engine was shut down; retry on another replica"
+            if waited or attempt:  # an accepted request: counted as a cut, CANCELLED
+                raise EngineLoopStopped(message)
+            raise ServerShuttingDownError(message, refused=True)
         if self.state != SERVING:
             raise WorkerUnavailableError("the engine is restarting; retry later")
         return self.generation
@@ -404,7 +414,7 @@ class EngineSupervisor:
             deadline = _deadline(request)
             attempt = 0
             while True:
-                generation = await self._wait_ready(deadline, request.request_id)
+                generation = await self._wait_ready(deadline, request.request_id, attempt)
                 inner = _attempt(
                     request, attempt, deadline, inner_id=self._inner_id(request, attempt)
                 )
@@ -429,7 +439,7 @@ class EngineSupervisor:
             stats = None  # the statistics as of the last chunk sent
             attempt = 0
             while True:
-                generation = await self._wait_ready(deadline, request.request_id)
+                generation = await self._wait_ready(deadline, request.request_id, attempt)
                 inner = _attempt(
                     request,
                     attempt,

@@ -750,6 +750,17 @@ def test_the_async_client_may_be_built_outside_an_event_loop(flaky):
 
     assert asyncio.run(call()) == ("ok", ["a", "b"], "SERVING")
     assert asyncio.run(call()) == ("ok", ["a", "b"], "SERVING")  # a second loop
+    assert len(aclient._conns) == 1  # the first loop's channel went with it
+    # loops in two threads at once: a channel each (one replacing the other's would
+    # close it under its running calls)
+    outcomes: list = []
+    threads = [threading.Thread(target=lambda: outcomes.append(asyncio.run(call())))]
+    threads.append(threading.Thread(target=lambda: outcomes.append(asyncio.run(call()))))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert outcomes == [("ok", ["a", "b"], "SERVING")] * 2
 
     async def closing():
         out = await call()

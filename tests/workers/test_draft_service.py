@@ -341,3 +341,73 @@ def test_a_sessions_lease_is_finite_whatever_the_caller_asks(runner):
         "unset": 30.0,
         "normal": 45.0,
     }, leases
+
+
+def _recorded(path: str, rows: int) -> tuple[LocalDrafter, list[int]]:
+    """An in-process drafter whose prefill chunks' widths are recorded."""
+    runner, widths = BatchRunner(path, max_num_seqs=rows), []
+    forward = runner.forward
+
+    def recorded(seq_ids, token_ids, **kw):
+        if kw.get("logits") == "none":
+            widths.append(sum(len(t) for t in token_ids))
+        return forward(seq_ids, token_ids, **kw)
+
+    runner.forward = recorded
+    return LocalDrafter(runner), widths
+
+
+def test_the_in_process_draft_prefill_keeps_to_the_steps_budget_with_short_prompts(
+    tiny_checkpoints, monkeypatch
+):
+    """`advance(tokens)` counts every chunk it runs, a prompt's last one too: six
+    prompts of one chunk each, admitted together, go in over the steps, not all in
+    the first (the last chunk of each went uncounted, so they did)."""
+    import workers.local
+
+    monkeypatch.setattr(workers.local, "DRAFT_PREFILL_CHUNK", 8)
+    drafter, widths = _recorded(str(tiny_checkpoints["llama"]), rows=6)
+    sampling = SamplingParams(max_tokens=4, temperature=0.8)
+    for i in range(6):
+        drafter.start(f"s{i}", [5 + i, 6, 7, 8, 9], sampling, i)  # 4 tokens to prefill
+    assert widths == []
+    drafter.advance(8)
+    assert widths == [4, 4]
+    assert [drafter.opened(f"s{i}") for i in range(6)] == [True] * 2 + [False] * 4
+    drafter.advance(1)  # at least one chunk
+    assert widths == [4, 4, 4]
+    blocks = drafter.propose([ProposeRow(f"s{i}", 2) for i in range(6)])  # the rest
+    assert all(isinstance(b, DraftBlock) for b in blocks) and widths == [4] * 6
+
+
+def test_a_commit_while_the_in_process_prefill_runs_waits_for_it(tiny_checkpoints, monkeypatch):
+    """A row that decodes without drafts while its draft prefill goes on (a re-opened
+    session) commits its tokens: they wait for the session rather than forcing the
+    whole prefill into the step, and the session then drafts what a drafter that had
+    finished the prefill first drafts."""
+    import workers.local
+
+    monkeypatch.setattr(workers.local, "DRAFT_PREFILL_CHUNK", 8)
+    path = str(tiny_checkpoints["llama"])
+    prompt = [(3 * i + 5) % 40 + 2 for i in range(30)]  # 29 tokens: chunks 8 8 8 5
+    sampling = SamplingParams(max_tokens=16, temperature=0.8)
+    reference, _ = _recorded(path, rows=1)
+    reference.start("a", prompt, sampling, 7)
+    reference.room("a")  # the whole prefill
+    reference.commit("a", 30, 0, 11)
+    reference.commit("a", 31, 0, 12)
+    (want,) = reference.propose([ProposeRow("a", 3)])
+
+    drafter, widths = _recorded(path, rows=1)
+    drafter.start("a", prompt, sampling, 7)
+    drafter.advance(8)
+    drafter.commit("a", 30, 0, 11)  # no chunk runs for it
+    drafter.commit("a", 31, 0, 12)
+    assert widths == [8] and not drafter.opened("a")
+    with pytest.raises(StaleBlockError, match="never proposed"):
+        drafter.commit("a", 32, 1, 13)  # drafts it never proposed
+    drafter.advance(100)
+    assert widths == [8, 8, 8, 5] and drafter.opened("a")
+    (got,) = drafter.propose([ProposeRow("a", 3)])
+    assert got.epoch == want.epoch == 32
+    assert got.token_ids == want.token_ids and torch.equal(got.probs, want.probs)

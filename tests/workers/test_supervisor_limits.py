@@ -316,9 +316,17 @@ def test_a_request_waiting_for_a_restart_when_the_replica_is_torn_down_counts_as
         group.shutdown = lambda: None
         sup.shutdown()  # Serve tears the replica down (its __del__)
         errors = await asyncio.gather(first, waiting, return_exceptions=True)
-        return errors
+        try:
+            await sup.agenerate(_req("late"))
+        except WorkerUnavailableError as late:
+            return [*errors, late]
+        raise AssertionError("a request after the shutdown ran")
 
-    for err in asyncio.run(run()):
+    first, waiting, late = asyncio.run(run())
+    for err in (first, waiting):
         assert isinstance(err, WorkerUnavailableError), err
         assert "shut down" in str(err)
         assert failure_reason(err) == "CANCELLED"
+    # one that arrives after the shutdown never ran: refused, UNAVAILABLE, not counted
+    assert isinstance(late, WorkerUnavailableError) and "shut down" in str(late)
+    assert failure_reason(late) is None
