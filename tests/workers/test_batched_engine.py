@@ -41,6 +41,18 @@ def _run_together(engine, reqs, *, on_step=None, cancelled=None):
     return out
 
 
+def _sharing(embedded_engine, **scheduler):
+    """An engine on the embedded engine's models, with its own scheduler (policy
+    `fixed`, min_prefill_chunk 4 unless given)."""
+    scheduler = {"min_prefill_chunk": 4, "policy": "fixed", **scheduler}
+    return SpeculativeEngine(
+        embedded_engine.drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        scheduler=SchedulerConfig(**scheduler),
+    )
+
+
 def _result(items):
     assert items and not isinstance(items[-1], BaseException), items[-1:]
     return items[-1].result
@@ -155,14 +167,7 @@ def test_cancelling_one_row_frees_it_within_a_step(embedded_engine, heldout_prom
 def test_rows_and_token_budget_make_requests_wait_not_fail(embedded_engine, heldout_prompts):
     """max_num_seqs 2, 16 tokens a step: the rest wait their turn, a long prompt goes in
     chunk by chunk while the running rows keep decoding, and every output equals solo."""
-    engine = SpeculativeEngine(
-        embedded_engine.drafter,
-        embedded_engine.verifier,
-        embedded_engine.tokenizer,
-        scheduler=SchedulerConfig(
-            max_num_seqs=2, max_num_batched_tokens=16, min_prefill_chunk=4, policy="fixed"
-        ),
-    )
+    engine = _sharing(embedded_engine, max_num_seqs=2, max_num_batched_tokens=16)
     long_prompt = " ".join(heldout_prompts[:6])
     reqs = [_req(heldout_prompts[i], f"w{i}", seed=40 + i, temperature=0.8) for i in range(4)]
     reqs.append(_req(long_prompt, "w-long", seed=50, temperature=0.8))
@@ -490,56 +495,44 @@ def test_a_request_whose_draft_probabilities_are_not_finite_goes_on_without_draf
     assert not embedded_engine.has_work()
 
 
+@pytest.mark.parametrize("where", ["start", "chunk"])
 def test_a_draft_prefill_that_raises_degrades_its_request_alone(
-    embedded_engine, heldout_prompts, monkeypatch
+    embedded_engine, heldout_prompts, monkeypatch, where
 ):
-    """The in-process drafter prefills a prompt when its request is admitted; an error
-    there other than a drafter's usual ones (an out-of-memory RuntimeError, say) escaped
-    the step and ended every request of the batch. It now degrades that request alone,
-    as a draft actor's failure does."""
+    """An error in the in-process drafter's prefill other than a drafter's usual ones
+    (an out-of-memory RuntimeError, say) escaped the step and ended every request of
+    the batch. It now degrades that request alone, as a draft actor's failure does:
+    raised by `start` at admission, or by a prefill chunk in a later step
+    (`LocalDrafter.advance`: the chunk frees the draft row, and the error is the row's
+    at its first propose); the others keep their drafts."""
     reqs = [_req(heldout_prompts[i], f"d{i}", temperature=0.0, max_tokens=12) for i in range(3)]
     solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
     drafter = embedded_engine.drafter
-    real = drafter.start
+    if where == "start":
+        real_start = drafter.start
 
-    def failing(request_id, *args, **kw):
-        if request_id == "d1":
-            raise RuntimeError("out of memory in the draft prefill")
-        return real(request_id, *args, **kw)
+        def failing_start(request_id, *args, **kw):
+            if request_id == "d1":
+                raise RuntimeError("out of memory in the draft prefill")
+            return real_start(request_id, *args, **kw)
 
-    monkeypatch.setattr(drafter, "start", failing)
+        monkeypatch.setattr(drafter, "start", failing_start)
+    else:
+        real_forward = drafter.runner.forward
+
+        def failing_chunk(seq_ids, token_ids, **kw):
+            if kw.get("logits") == "none" and list(seq_ids) == ["d1"]:
+                raise RuntimeError("out of memory in a draft prefill chunk")
+            return real_forward(seq_ids, token_ids, **kw)
+
+        monkeypatch.setattr(drafter.runner, "forward", failing_chunk)
     out = _run_together(embedded_engine, reqs)
     for rid in ("d0", "d1", "d2"):  # greedy: the verifier's tokens, drafts or none
         assert _result(out[rid]).token_ids == solo[rid], rid
     assert _result(out["d1"]).stats.draft_failures == 1
     assert _result(out["d1"]).stats.num_drafts == 0
-    assert not embedded_engine.has_work()
-
-
-def test_a_draft_prefill_chunk_that_raises_in_a_step_degrades_its_request_alone(
-    embedded_engine, heldout_prompts, monkeypatch
-):
-    """The in-process drafter prefills a prompt's draft in the engine's steps
-    (`LocalDrafter.advance`): a chunk that fails there frees the draft row and degrades
-    that request alone at its first propose; the others keep their drafts."""
-    reqs = [_req(heldout_prompts[i], f"c{i}", temperature=0.0, max_tokens=12) for i in range(3)]
-    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
-    runner = embedded_engine.drafter.runner
-    real = runner.forward
-
-    def failing(seq_ids, token_ids, **kw):
-        if kw.get("logits") == "none" and list(seq_ids) == ["c1"]:
-            raise RuntimeError("out of memory in a draft prefill chunk")
-        return real(seq_ids, token_ids, **kw)
-
-    monkeypatch.setattr(runner, "forward", failing)
-    out = _run_together(embedded_engine, reqs)
-    for rid in ("c0", "c1", "c2"):  # greedy: the verifier's tokens, drafts or none
-        assert _result(out[rid]).token_ids == solo[rid], rid
-    assert _result(out["c1"]).stats.draft_failures == 1
-    assert _result(out["c1"]).stats.num_drafts == 0
-    assert _result(out["c0"]).stats.num_drafts > 0 and _result(out["c2"]).stats.num_drafts > 0
-    assert not embedded_engine.has_work() and runner.num_sequences == 0
+    assert _result(out["d0"]).stats.num_drafts > 0 and _result(out["d2"]).stats.num_drafts > 0
+    assert not embedded_engine.has_work() and drafter.runner.num_sequences == 0
 
 
 def test_a_long_prompts_draft_prefill_goes_in_within_the_steps_budget(
@@ -553,14 +546,7 @@ def test_a_long_prompts_draft_prefill_goes_in_within_the_steps_budget(
     import workers.local
 
     monkeypatch.setattr(workers.local, "DRAFT_PREFILL_CHUNK", 8)
-    engine = SpeculativeEngine(
-        embedded_engine.drafter,
-        embedded_engine.verifier,
-        embedded_engine.tokenizer,
-        scheduler=SchedulerConfig(
-            max_num_seqs=2, max_num_batched_tokens=16, min_prefill_chunk=4, policy="fixed"
-        ),
-    )
+    engine = _sharing(embedded_engine, max_num_seqs=2, max_num_batched_tokens=16)
     short = _req(heldout_prompts[0], "short", seed=3, temperature=0.8, max_tokens=40)
     long = _req(" ".join(heldout_prompts[1:7]), "long", seed=4, temperature=0.8)
     solo = {r.request_id: embedded_engine.generate(r).token_ids for r in (short, long)}
