@@ -632,16 +632,19 @@ class AsyncCactusClient(_Client):
 
     def _connect(self) -> None:
         self._conns: dict = {}  # event loop -> its channel and stubs
+        self._conns_lock = threading.Lock()  # loops in several threads
 
     def _bound(self) -> tuple:
         loop = asyncio.get_running_loop()
         conn = self._conns.get(loop)
         if conn is None:
-            # the channels of loops that have closed are dropped (a channel holds its
-            # loop: weak keys would never go); their calls ended with their loop
-            for gone in [other for other in self._conns if other.is_closed()]:
-                del self._conns[gone]
-            conn = self._conns[loop] = self._open()
+            with self._conns_lock:
+                # the channels of loops that have closed are dropped (a channel holds
+                # its loop: weak keys would never go); their calls ended with their loop
+                for gone in [other for other in self._conns if other.is_closed()]:
+                    del self._conns[gone]
+                conn = self._conns.get(loop) or self._open()
+                self._conns[loop] = conn
         return conn
 
     @property
@@ -748,6 +751,7 @@ class AsyncCactusClient(_Client):
 
     async def close(self) -> None:
         """Close this event loop's channel (one of a loop now gone went with it)."""
-        conn = self._conns.pop(asyncio.get_running_loop(), None)
+        with self._conns_lock:
+            conn = self._conns.pop(asyncio.get_running_loop(), None)
         if conn is not None:
             await conn[0].close()

@@ -318,7 +318,8 @@ class SpeculativeEngine:
     def _decode(self, running: list[RequestState]) -> tuple[int, _Timed]:
         t0 = time.perf_counter()
         self._plan(running)  # k per row, from earlier steps only (workers/policy.py)
-        planned = [s.planned_k for s in running]
+        # (a row re-opening on a new drafter decodes plainly: its k is 0 this step)
+        planned = [0 if s.draft_reopening else s.planned_k for s in running]
         expected = {s.id: s.expected_tokens for s in running}
         lags = {s.id: s.undrafted for s in running}
         predicted_s = self.policy.predict_time(
