@@ -318,7 +318,12 @@ class SpeculativeEngine:
     def _decode(self, running: list[RequestState]) -> tuple[int, _Timed]:
         t0 = time.perf_counter()
         self._plan(running)  # k per row, from earlier steps only (workers/policy.py)
-        # (a row re-opening on a new drafter decodes plainly: its k is 0 this step)
+        # A row re-opened on a new drafter decodes plainly (k = 0; its commits wait in the
+        # drafter) until `_plan_next` sees that drafter holds its context, so the step
+        # does not wait for every running request's whole re-prefill (and it is never
+        # prefetched before). A new request's first propose still waits for its Open,
+        # which its own chunked prefill here overlaps (and seeded requests keep their
+        # tokens).
         planned = [0 if s.draft_reopening else s.planned_k for s in running]
         expected = {s.id: s.expected_tokens for s in running}
         lags = {s.id: s.undrafted for s in running}
@@ -426,10 +431,7 @@ class SpeculativeEngine:
         """One batched draft pass; a row whose drafter failed goes on without drafts."""
         for state in running:
             state.planned_k = None
-        ks = [
-            min(k, s.num_draft_tokens()) if self._draft_ready(s) else 0
-            for s, k in zip(running, planned, strict=True)
-        ]
+        ks = [min(k, s.num_draft_tokens()) for s, k in zip(running, planned, strict=True)]
         rows = [ProposeRow(s.id, k) for s, k in zip(running, ks, strict=True) if k > 0]
         blocks: dict[str, DraftBlock] = {}
         if not rows:
@@ -450,15 +452,6 @@ class SpeculativeEngine:
                 self._drafter_failed(by_id[row.request_id], block, traced=traced)
         ks = [k if s.id in blocks else 0 for s, k in zip(running, ks, strict=True)]
         return ks, blocks
-
-    def _draft_ready(self, state: RequestState) -> bool:
-        """A row re-opened on a new drafter drafts once that drafter has prefilled its
-        context (seen in `_plan_next`, so the row is in the prefetch of the step that
-        drafts it); until then it decodes plainly (its commits wait in the drafter), so
-        the step does not wait for every running request's whole re-prefill. A new
-        request's first propose still waits for its Open, which its own chunked
-        prefill here overlaps (and seeded requests keep their tokens)."""
-        return not state.draft_reopening
 
     def _accept(self, running, ks, blocks, logits):
         """Ragged acceptance over every row (K_i = 0 rows: plain sampling from q)."""

@@ -253,7 +253,7 @@ class LocalDrafter:
 
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
         opening = self._opening.get(request_id)
-        if opening is not None and request_id not in self._failed:
+        if opening is not None:
             # a row that decoded without drafts while its prefill goes on (a re-opened
             # session): the commit waits for the session, the step does not wait for it
             if num_accepted:
