@@ -129,6 +129,7 @@ class EngineGroup:
         self.followers: list = []
         self.draft_address = ""
         self._draft_serving = None  # the new draft actor's serve() call (_launch_draft)
+        self._loading_draft = None  # a replacement draft actor still loading (replace_draft)
         self.placement: dict = {}
         # request id -> its calls to rank 0 in flight (refs): `cancel` drops one still
         # queued for a rank-0 thread, which rank 0's cancel flag cannot reach
@@ -200,10 +201,6 @@ class EngineGroup:
                 remove_placement_group(self.pg)
             self.pg = None
         self.ranks, self.followers, self.draft, self._processes = [], [], None, {}
-
-    def _start_draft(self) -> None:
-        self._launch_draft()
-        self._await_draft()
 
     def _launch_draft(self) -> None:
         """Create the draft actor; `_await_draft` waits for it to load."""
@@ -326,10 +323,39 @@ class EngineGroup:
 
     def replace_draft(self) -> None:
         """A new draft actor in the old one's bundle; rank 0 switches to it and re-opens
-        the draft sessions of its running requests, which then speculate again."""
+        the draft sessions of its running requests, which then speculate again.
+
+        The new actor loads (a process start and a model load, up to start_timeout_s)
+        outside the restart lock, which is held only to end the old actor and launch the
+        new one, then to attach it: a rank that dies meanwhile is restarted at once (its
+        rank 0 starts without a draft actor), not after the load, and the new actor is
+        attached to whichever rank 0 runs when it has loaded. Until then `draft` is None
+        (a gang restart does not wait for a loading actor's reset); a shutdown meanwhile
+        ends the loading actor too."""
         with self._restarting:
             self._refuse_if_closed()
-            self._replace_draft()
+            old, self.draft = self.draft, None
+            self._end([old] if old is not None else [], self._processes.pop("draft", []))
+            self.draft_generation += 1
+            self._launch_draft()
+            new, serving, launched = self.draft, self._draft_serving, self._draft_launched
+            self.draft, self._loading_draft = None, new
+        try:
+            address = self._wait(serving, "the draft actor did not load", since=launched)
+            status = self._wait(new.status.remote(), "the draft actor did not answer")
+        except BaseException:
+            self._loading_draft = None
+            self._end([new], [])
+            raise
+        with self._restarting:
+            self._loading_draft = None
+            if self.closed:  # shut down while it loaded (shutdown ended it already)
+                self._end([new], [(status["node_id"], status["process"])])
+                self._refuse_if_closed()
+            self.draft, self.draft_address = new, address
+            self.placement["draft"] = status["node_id"]
+            self._processes["draft"] = [(status["node_id"], status["process"])]
+            self._attach_draft()
             self._undo_if_closed()
 
     def _refuse_if_closed(self) -> None:
@@ -352,21 +378,17 @@ class EngineGroup:
                 ray.kill(actor)
         kill_processes(where, timeout_s=self.config.rpc_timeout_s)
 
-    def _replace_draft(self) -> None:
-        old, self.draft = self.draft, None
-        self._end([old], self._processes.pop("draft", []))
-        self.draft_generation += 1
+    def _attach_draft(self) -> None:
         try:
-            self._start_draft()
             self._wait(
                 self.rank0.attach_draft.remote(self.draft_address),
                 "rank 0 did not attach the new draft actor",
             )
         except BaseException:
-            # A new actor whose start or attach failed (it loaded too late, or rank 0
-            # could not attach it, or an attach that outlasted the wait switched late:
-            # the next try replaces it) is ended: it must not hold the draft bundle,
-            # nor answer the health probe as if rank 0 drafted with it.
+            # A new actor rank 0 could not attach (no live rank 0, or an attach that
+            # outlasted the wait switched late: the next try replaces it) is ended: it
+            # must not hold the draft bundle, nor answer the health probe as if rank 0
+            # drafted with it.
             failed, self.draft = self.draft, None
             self._end([failed] if failed is not None else [], self._processes.pop("draft", []))
             raise
@@ -547,6 +569,10 @@ class EngineGroup:
                 self._restarting.release()
 
     def _shutdown(self) -> None:
+        loading, self._loading_draft = self._loading_draft, None
+        if loading is not None:  # a replacement still loading (replace_draft waits for
+            with contextlib.suppress(Exception):  # it outside the lock): it dies now
+                ray.kill(loading)
         if not self.ranks and self.draft is None and self.pg is None:
             return
         steps = []

@@ -155,7 +155,8 @@ def test_the_draft_actor_gets_the_groups_kv_budget_and_key(monkeypatch):
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: answers[ref])
     group = EngineGroup(GroupConfig("verifier", "draft", kv_budget_tokens=4096))
     monkeypatch.setattr(group, "_in_bundle", lambda index: None)
-    group._start_draft()
+    group._launch_draft()
+    group._await_draft()
     assert seen["kv_budget_tokens"] == 4096 and seen["max_num_seqs"] == group.config.max_num_seqs
     assert seen["key"] == group._draft_key and len(group._draft_key) == 32
     assert group.draft_address == "127.0.0.1:1"

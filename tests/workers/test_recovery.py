@@ -436,3 +436,73 @@ def test_hung_actors_are_declared_dead_by_their_probe(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         group.shutdown()
+
+
+def test_a_rank_death_during_a_draft_replacement_is_restarted_without_waiting_for_it(
+    ray_session, embedded_engine, heldout_prompts
+):
+    """README (recovery): the draft actor dies, and rank 0 dies while the new draft
+    actor still loads. The gang restart does not wait for that load (the group loads a
+    draft actor outside its restart lock; the old code held the lock through it): the
+    ranks restart without a draft actor and the streams resume degraded, then the new
+    draft actor is attached to the new rank 0 and requests speculate again. The load is
+    held open by the test (the driver's wait for it blocks until released), so the
+    restart provably ran during it."""
+    import threading
+
+    group, sup = _probed_group(tp_size=1)
+    _pace(group.ranks[0])
+    loading, entered = threading.Event(), threading.Event()
+    wait = group._wait
+
+    def held_load(refs, what, more=lambda: "", since=None):
+        if what == "the draft actor did not load":  # the replacement's load: it ends when released
+            entered.set()
+            loading.wait(120.0)
+        return wait(refs, what, more, since)
+
+    group._wait = held_load
+    prompts = _prompts(embedded_engine, heldout_prompts[2:], 2)  # the draft-kill test's
+    reqs = [_req(p, f"both{i}", temperature=0.0, max_tokens=600) for i, p in enumerate(prompts)]
+
+    async def scenario():
+        chunks, tasks, health, stop, poll = _streams_under_watch(sup, reqs)
+        while not all(chunks):
+            await asyncio.sleep(0.01)
+        ray.kill(group.draft)
+        while not entered.is_set():
+            await asyncio.sleep(0.02)
+        ray.kill(group.ranks[0])  # while the new draft actor "loads"
+        killed = time.monotonic()
+        while not (sup.counters["rank_restarts"] and sup.state == "SERVING"):
+            assert time.monotonic() - killed < 60, f"no restart during the load: {sup.state}"
+            await asyncio.sleep(0.05)
+        serving_s = time.monotonic() - killed
+        assert group.draft is None and not loading.is_set()  # still loading
+        assert not all(t.done() for t in tasks), "the streams ended before the restart"
+        loading.set()
+        while sup.degraded_since is not None:
+            assert time.monotonic() - killed < 90, "the new draft actor was not attached"
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+        stop.set()
+        await poll
+        # a request after the replacement speculates on the new draft actor
+        after = _req(prompts[0], "both-after", temperature=0.0, max_tokens=32)
+        return chunks, health, serving_s, await sup.agenerate(after), after
+
+    try:
+        chunks, health, serving_s, result, after = asyncio.run(scenario())
+        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        _check_streams(reqs, chunks, embedded_engine)
+        for got in chunks:
+            stats = got[-1].result.stats
+            assert stats.degraded and stats.resumed >= 1 and stats.draft_failures >= 1
+        assert sup.counters["draft_restarts"] == 1 and sup.counters["rank_restarts"] == 1
+        assert result.token_ids == embedded_engine.generate(after).token_ids
+        assert result.stats.draft_failures == 0 and result.stats.num_drafts > 0
+        assert ray.get(group.draft.status.remote())["blocks_proposed"] > 0
+        print(f"rank 0 killed during the draft actor's load: serving again after {serving_s:.1f} s")
+    finally:
+        loading.set()
+        group.shutdown()

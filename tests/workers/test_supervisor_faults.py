@@ -452,9 +452,33 @@ def test_the_draft_client_can_skip_the_status_of_a_dead_actor(monkeypatch):
     assert calls == [1]
 
 
-def test_a_draft_replacement_that_fails_ends_the_new_actor(fake_ray):
-    """EngineGroup: a new draft actor that rank 0 could not attach is killed and
-    forgotten (group.draft None), so it neither holds the bundle nor answers probes."""
+def _replacing(group, new, log: list, loading=None, fail: str = ""):
+    """Make `group` replace its draft actor with `new` (a fake handle): `loading`, an
+    Event the new actor's load waits for; `fail`, the wait (its message) that fails."""
+
+    def launch() -> None:
+        group.draft, group._draft_serving, group._draft_launched = new, "serve", 0.0
+
+    def wait(ref, what, more=None, since=None):
+        log.append(("wait", what))
+        if what == "the draft actor did not load" and loading is not None:
+            assert loading.wait(10.0)
+        if fail and fail in what:
+            raise EngineStartError(what)
+        if what == "the draft actor did not load":
+            return "127.0.0.1:1"
+        if "did not answer" in what:
+            return {"node_id": "n1", "process": {"pid": 1}}
+        return None
+
+    group._launch_draft, group._wait = launch, wait
+
+
+@pytest.mark.parametrize("fail", ["did not load", "did not attach"])
+def test_a_draft_replacement_that_fails_ends_the_new_actor(fake_ray, fail):
+    """EngineGroup: a new draft actor that did not load, or that rank 0 could not
+    attach, is killed and forgotten (group.draft None), so it neither holds the bundle
+    nor answers probes."""
     from workers.group import EngineGroup, GroupConfig
 
     log: list = []
@@ -462,18 +486,97 @@ def test_a_draft_replacement_that_fails_ends_the_new_actor(fake_ray):
     old = _Actor("old-draft", log)
     group.draft, group.ranks = old, [_Actor("rank0", log)]
     new = _Actor("new-draft", log)
-
-    def start_draft() -> None:
-        group.draft, group.draft_address = new, "127.0.0.1:1"
-
-    def wait(ref, what):
-        raise EngineStartError(what)
-
-    group._start_draft, group._wait = start_draft, wait
-    with pytest.raises(EngineStartError, match="did not attach"):
+    _replacing(group, new, log, fail=fail)
+    with pytest.raises(EngineStartError, match=fail):
         group.replace_draft()
-    assert group.draft is None
+    assert group.draft is None and group._loading_draft is None
     assert fake_ray == [old, new]  # both ended
+    assert (("rank0", "attach_draft") in log) == (fail == "did not attach")
+
+
+def test_a_gang_restart_does_not_wait_for_a_draft_actor_that_loads(fake_ray):
+    """EngineGroup: a draft replacement loads its actor (a process start and a model
+    load) outside the restart lock, so a rank that dies meanwhile is restarted at once,
+    without a draft actor, and the new one is then attached to the new rank 0. The old
+    code held the lock through the load: the gang restart (every stream) waited for it,
+    up to start_timeout_s."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_Actor("rank0", log)]
+    new, loading = _Actor("new-draft", log), threading.Event()
+    _replacing(group, new, log, loading=loading)
+    started = []
+
+    def start_ranks(draft_alive: bool = True) -> None:
+        started.append(draft_alive)
+        group.ranks = [_Actor("new-rank0", log)]
+
+    group._start_ranks = start_ranks
+    errors: list = []
+
+    def replace() -> None:
+        try:
+            group.replace_draft()
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    replacing = threading.Thread(target=replace)
+    replacing.start()
+    try:
+        while ("wait", "the draft actor did not load") not in log:
+            time.sleep(0.01)
+        restart = threading.Thread(target=lambda: started.append(group.restart_ranks()))
+        restart.start()
+        restart.join(2.0)
+        assert not restart.is_alive(), "the gang restart waited for the draft actor's load"
+        assert replacing.is_alive()  # still loading
+        # the loading actor is not the group's draft yet: it is neither reset nor
+        # waited for, and rank 0 starts without one
+        assert started == [False, False] and ("new-draft", "reset") not in log
+    finally:
+        loading.set()
+        replacing.join(5.0)
+    assert not errors and group.draft is new and group.draft_address == "127.0.0.1:1"
+    assert ("new-rank0", "attach_draft") in log and ("rank0", "attach_draft") not in log
+    assert group.placement["draft"] == "n1" and group._loading_draft is None
+
+
+def test_a_shutdown_while_a_draft_replacement_loads_ends_the_loading_actor(fake_ray):
+    """EngineGroup.shutdown does not wait for a replacement's load (it holds no lock
+    then), so it ends the loading actor itself, and the replacement, once loaded, is
+    refused rather than attached."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    old = _Actor("old-draft", log)
+    group.draft, group.ranks = old, [_Actor("rank0", log)]
+    new, loading = _Actor("new-draft", log), threading.Event()
+    _replacing(group, new, log, loading=loading)
+    errors: list = []
+
+    def replace() -> None:
+        try:
+            group.replace_draft()
+        except BaseException as err:  # checked below
+            errors.append(err)
+
+    replacing = threading.Thread(target=replace)
+    replacing.start()
+    while ("wait", "the draft actor did not load") not in log:
+        time.sleep(0.01)
+    shutdown = threading.Thread(target=group.shutdown)
+    shutdown.start()
+    shutdown.join(2.0)
+    assert not shutdown.is_alive(), "shutdown waited for the draft actor's load"
+    assert new in fake_ray  # ended while it loaded
+    loading.set()
+    replacing.join(5.0)
+    assert len(errors) == 1 and isinstance(errors[0], EngineStartError)
+    assert ("new-draft", "shutdown") not in log and ("rank0", "attach_draft") not in log
+    assert group.draft is None and group._loading_draft is None
 
 
 # ---- EngineGroup.shutdown against a gang restart -------------------------------------
