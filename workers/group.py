@@ -331,24 +331,50 @@ class EngineGroup:
         rank 0 starts without a draft actor), not after the load, and the new actor is
         attached to whichever rank 0 runs when it has loaded. Until then `draft` is None
         (a gang restart does not wait for a loading actor's reset); a shutdown meanwhile
-        ends the loading actor too."""
+        ends the loading actor too. A draft actor on a fraction of a GPU may share that
+        GPU with a rank: it loads under the lock, so its load and a restarted rank's do
+        not need their memory at once."""
         with self._restarting:
             self._refuse_if_closed()
             old, self.draft = self.draft, None
-            self._end([old] if old is not None else [], self._processes.pop("draft", []))
+            # (a replacement abandoned while it loaded, its caller gone: it ends too)
+            stale, self._loading_draft = self._loading_draft, None
+            ended = [a for a in (old, stale) if a is not None]
+            self._end(ended, self._processes.pop("draft", []))
             self.draft_generation += 1
-            self._launch_draft()
+            try:
+                self._launch_draft()
+            except BaseException:
+                failed, self.draft = self.draft, None
+                self._end([failed] if failed is not None else [], [])
+                raise
             new, serving, launched = self.draft, self._draft_serving, self._draft_launched
+            if 0 < self.config.draft.num_gpus < 1:  # the shared-GPU case above
+                self.draft = None
+                self._load_and_attach(new, serving, launched)
+                return
             self.draft, self._loading_draft = None, new
+        self._load_and_attach(new, serving, launched, lock=self._restarting)
+
+    def _load_and_attach(self, new, serving, launched, lock=None) -> None:
+        """Wait for the new draft actor `new` to load, then record it and attach it to
+        rank 0 under `lock`, the restart lock (None: the caller holds it throughout).
+        Any failure ends it."""
         try:
             address = self._wait(serving, "the draft actor did not load", since=launched)
             status = self._wait(new.status.remote(), "the draft actor did not answer")
         except BaseException:
-            self._loading_draft = None
+            if self._loading_draft is new:
+                self._loading_draft = None
             self._end([new], [])
             raise
-        with self._restarting:
-            self._loading_draft = None
+        with lock if lock is not None else contextlib.nullcontext():
+            if self._loading_draft is new:
+                self._loading_draft = None
+            elif lock is not None:  # ended meanwhile (shutdown, or a newer replacement)
+                self._end([new], [(status["node_id"], status["process"])])
+                self._refuse_if_closed()
+                raise EngineStartError("the draft actor was ended while it loaded")
             if self.closed:  # shut down while it loaded (shutdown ended it already)
                 self._end([new], [(status["node_id"], status["process"])])
                 self._refuse_if_closed()

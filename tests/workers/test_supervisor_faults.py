@@ -494,16 +494,39 @@ def test_a_draft_replacement_that_fails_ends_the_new_actor(fake_ray, fail):
     assert (("rank0", "attach_draft") in log) == (fail == "did not attach")
 
 
-def test_a_gang_restart_does_not_wait_for_a_draft_actor_that_loads(fake_ray):
+def _replacement_loading(group, log: list) -> tuple[threading.Thread, list]:
+    """Run group.replace_draft on a thread until its new actor's load is entered:
+    (the thread, the errors it raised)."""
+    errors: list = []
+
+    def replace() -> None:
+        try:
+            group.replace_draft()
+        except BaseException as err:  # checked by the caller
+            errors.append(err)
+
+    thread = threading.Thread(target=replace)
+    thread.start()
+    deadline = time.monotonic() + 5.0
+    while ("wait", "the draft actor did not load") not in log:
+        assert thread.is_alive() and time.monotonic() < deadline, errors
+        time.sleep(0.01)
+    return thread, errors
+
+
+@pytest.mark.parametrize("draft_gpus", [0.0, 0.5], ids=["own-device", "shared-gpu"])
+def test_a_gang_restart_does_not_wait_for_a_draft_actor_that_loads(fake_ray, draft_gpus):
     """EngineGroup: a draft replacement loads its actor (a process start and a model
     load) outside the restart lock, so a rank that dies meanwhile is restarted at once,
     without a draft actor, and the new one is then attached to the new rank 0. The old
     code held the lock through the load: the gang restart (every stream) waited for it,
-    up to start_timeout_s."""
-    from workers.group import EngineGroup, GroupConfig
+    up to start_timeout_s. A draft actor on a fraction of a GPU (which a rank may share)
+    still loads under the lock: the two loads never need their memory at once."""
+    from workers.group import ActorResources, EngineGroup, GroupConfig
 
     log: list = []
-    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    config = GroupConfig(verifier_dir="v", draft_dir="d", draft=ActorResources(num_gpus=draft_gpus))
+    group = EngineGroup(config)
     group.draft, group.ranks = _Actor("old-draft", log), [_Actor("rank0", log)]
     new, loading = _Actor("new-draft", log), threading.Event()
     _replacing(group, new, log, loading=loading)
@@ -514,33 +537,30 @@ def test_a_gang_restart_does_not_wait_for_a_draft_actor_that_loads(fake_ray):
         group.ranks = [_Actor("new-rank0", log)]
 
     group._start_ranks = start_ranks
-    errors: list = []
-
-    def replace() -> None:
-        try:
-            group.replace_draft()
-        except BaseException as err:  # reported below
-            errors.append(err)
-
-    replacing = threading.Thread(target=replace)
-    replacing.start()
+    replacing, errors = _replacement_loading(group, log)
+    restart = threading.Thread(target=lambda: started.append(group.restart_ranks()))
     try:
-        while ("wait", "the draft actor did not load") not in log:
-            time.sleep(0.01)
-        restart = threading.Thread(target=lambda: started.append(group.restart_ranks()))
         restart.start()
-        restart.join(2.0)
-        assert not restart.is_alive(), "the gang restart waited for the draft actor's load"
+        restart.join(2.0 if not draft_gpus else 0.5)
         assert replacing.is_alive()  # still loading
-        # the loading actor is not the group's draft yet: it is neither reset nor
-        # waited for, and rank 0 starts without one
-        assert started == [False, False] and ("new-draft", "reset") not in log
+        if draft_gpus:  # waits for the load, then restarts with the new actor
+            assert restart.is_alive() and started == []
+        else:
+            assert not restart.is_alive(), "the gang restart waited for the draft's load"
+            # the loading actor is not the group's draft yet: it is neither reset nor
+            # waited for, and rank 0 starts without one
+            assert started == [False, False] and ("new-draft", "reset") not in log
     finally:
         loading.set()
         replacing.join(5.0)
+        restart.join(5.0)
     assert not errors and group.draft is new and group.draft_address == "127.0.0.1:1"
-    assert ("new-rank0", "attach_draft") in log and ("rank0", "attach_draft") not in log
     assert group.placement["draft"] == "n1" and group._loading_draft is None
+    if draft_gpus:
+        assert ("rank0", "attach_draft") in log and ("new-draft", "reset") in log
+        assert started == [True, True]
+    else:
+        assert ("new-rank0", "attach_draft") in log and ("rank0", "attach_draft") not in log
 
 
 def test_a_shutdown_while_a_draft_replacement_loads_ends_the_loading_actor(fake_ray):
@@ -551,32 +571,59 @@ def test_a_shutdown_while_a_draft_replacement_loads_ends_the_loading_actor(fake_
 
     log: list = []
     group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
-    old = _Actor("old-draft", log)
-    group.draft, group.ranks = old, [_Actor("rank0", log)]
+    group.draft, group.ranks = _Actor("old-draft", log), [_Actor("rank0", log)]
     new, loading = _Actor("new-draft", log), threading.Event()
     _replacing(group, new, log, loading=loading)
-    errors: list = []
-
-    def replace() -> None:
-        try:
-            group.replace_draft()
-        except BaseException as err:  # checked below
-            errors.append(err)
-
-    replacing = threading.Thread(target=replace)
-    replacing.start()
-    while ("wait", "the draft actor did not load") not in log:
-        time.sleep(0.01)
+    replacing, errors = _replacement_loading(group, log)
     shutdown = threading.Thread(target=group.shutdown)
-    shutdown.start()
-    shutdown.join(2.0)
-    assert not shutdown.is_alive(), "shutdown waited for the draft actor's load"
-    assert new in fake_ray  # ended while it loaded
-    loading.set()
-    replacing.join(5.0)
+    try:
+        shutdown.start()
+        shutdown.join(2.0)
+        assert not shutdown.is_alive(), "shutdown waited for the draft actor's load"
+        assert new in fake_ray  # ended while it loaded
+    finally:
+        loading.set()
+        replacing.join(5.0)
     assert len(errors) == 1 and isinstance(errors[0], EngineStartError)
     assert ("new-draft", "shutdown") not in log and ("rank0", "attach_draft") not in log
     assert group.draft is None and group._loading_draft is None
+
+
+def test_a_replacement_whose_launch_fails_or_that_a_newer_one_overtakes_is_ended(fake_ray):
+    """EngineGroup.replace_draft: an actor launched when its serve() call then raised is
+    ended (not left in `draft`, answering probes that rank 0 never drafts with); and a
+    replacement started while an abandoned one still loads ends that one, which then
+    fails instead of attaching."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_Actor("rank0", log)]
+    launched = _Actor("launched", log)
+
+    def launch_fails() -> None:
+        group.draft = launched
+        raise RuntimeError("serve() failed")
+
+    group._launch_draft = launch_fails
+    with pytest.raises(RuntimeError, match="serve"):
+        group.replace_draft()
+    assert launched in fake_ray and group.draft is None
+
+    first, loading = _Actor("first", log), threading.Event()
+    _replacing(group, first, log, loading=loading)
+    replacing, errors = _replacement_loading(group, log)
+    try:
+        second = _Actor("second", log)
+        _replacing(group, second, log)  # this one loads at once
+        group.replace_draft()
+        assert first in fake_ray and group.draft is second
+    finally:
+        loading.set()
+        replacing.join(5.0)
+    assert len(errors) == 1 and "ended while it loaded" in str(errors[0])
+    assert group.draft is second and group._loading_draft is None
+    assert [name for name, method in log if method == "attach_draft"] == ["rank0"]
 
 
 # ---- EngineGroup.shutdown against a gang restart -------------------------------------
