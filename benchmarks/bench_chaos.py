@@ -1,7 +1,7 @@
 """Chaos: streaming clients against the served stack while engine actors are killed.
 
     python -m benchmarks.bench_chaos [--quick] [--clients 8] [--kills 2] [--hangs 1]
-        [--seed 0]
+        [--overlaps 1] [--seed 0]
 
 The server is `make serve`'s (python -m deployments.serve, TP = 2, embedded models, a
 subprocess with its own Ray head). `--clients` threads stream seeded requests back to
@@ -11,6 +11,9 @@ every `--gap` seconds, with ray.kill (SIGKILL of the actor's process); and `--ha
 times each, the same actors hang: SIGSTOP of the actor's process, which stays alive to
 Ray and answers nothing until the supervisor's probe (`recovery.probe_timeout_s`, 10 s
 by default) declares it dead and the engine SIGKILLs it (README: an actor that hangs).
+`--overlaps` times, a compound fault, `draft+rank0`: the draft actor is killed and, as
+soon as its replacement is launched (its name registered: it loads now), rank 0 too, so
+the gang restart overlaps the new draft actor's load.
 A poller asks grpc.health.v1 Check for the `cactus.v1.Cactus` service (does the replica
 take requests; the server's "" also says NOT_SERVING while a draft actor is replaced)
 every 100 ms. Reported:
@@ -72,6 +75,17 @@ def _actor(role: str):
     if len(names) != 1:
         raise RuntimeError(f"expected one {role} actor, found {names}")
     return names[0], ray.get_actor(names[0], namespace="cactus")
+
+
+def _draft_names() -> list[str]:
+    """Names of the live draft actors (one loading counts: it is named at its launch)."""
+    import ray
+
+    return [
+        e["name"]
+        for e in ray.util.list_named_actors(all_namespaces=True)
+        if e["namespace"] == "cactus" and e["name"].endswith("-draft")
+    ]
 
 
 def kill(role: str) -> None:
@@ -201,36 +215,60 @@ class Chaos:
             back = [at for at, s, _ in self.health if at > max(down) and s == "SERVING"]
         return back[0] if back else None
 
+    def _drafting_again(self, before: str, start: float, deadline: float) -> float | None:
+        """Seconds from `start` until a draft actor other than `before` drafts."""
+        while time.monotonic() < deadline:
+            try:
+                name, blocks = draft_blocks()
+                if name != before and blocks > 0:
+                    return round(time.monotonic() - start, 1)
+            except Exception:
+                pass
+            time.sleep(0.5)
+        return None
+
+    def _serving_again(self, start: float, deadline: float) -> float | None:
+        """Seconds from `start` until health is SERVING again after leaving it."""
+        time.sleep(1.0)
+        while time.monotonic() < deadline:
+            back = self.serving_since(start)
+            if back is not None:
+                return round(back - start, 1)
+            time.sleep(0.2)
+        return None
+
     def run_kill(self, fault: str, ray_address: str) -> dict:
-        """One fault: `role` (kill) or `hang-role` (SIGSTOP)."""
+        """One fault: `role` (kill), `hang-role` (SIGSTOP) or `draft+rank0` (the draft
+        actor killed, then rank 0 while the replacement loads)."""
         role = fault.removeprefix("hang-")
-        before = draft_blocks() if role == "draft" else None
+        before = draft_blocks() if role.startswith("draft") else None
         start = time.monotonic()
-        if fault.startswith("hang-"):
-            self.stopped.append(stop_process(role))
-        else:
-            kill(role)
         record = {"role": fault, "at_s": round(start - self.t0, 1)}
         deadline = start + 120
         record["recovered_s"] = None  # unless it recovers within the deadline
-        if role == "draft":  # health must stay SERVING; wait for drafting to resume
-            while time.monotonic() < deadline:
-                try:
-                    name, blocks = draft_blocks()
-                    if name != before[0] and blocks > 0:
-                        record["recovered_s"] = round(time.monotonic() - start, 1)
-                        break
-                except Exception:
-                    pass
-                time.sleep(0.5)
-        else:
-            time.sleep(1.0)
-            while time.monotonic() < deadline:
-                back = self.serving_since(start)
-                if back is not None:
-                    record["recovered_s"] = round(back - start, 1)
+        if fault.startswith("hang-"):
+            self.stopped.append(stop_process(role))
+        elif fault == "draft+rank0":
+            kill("draft")
+            while time.monotonic() < deadline:  # the replacement's launch
+                names = [n for n in _draft_names() if n != before[0]]
+                if names:
                     break
-                time.sleep(0.2)
+                time.sleep(0.05)
+            record["rank0_after_s"] = round(time.monotonic() - start, 1)
+            kill("rank0")
+        else:
+            kill(role)
+        if fault == "draft+rank0":  # both: serving again, and the new actor drafting
+            serving = self._serving_again(start, deadline)
+            drafting = self._drafting_again(before[0], start, deadline)
+            record["serving_s"], record["drafting_s"] = serving, drafting
+            if serving is not None and drafting is not None:
+                record["recovered_s"] = max(serving, drafting)
+        elif role == "draft":  # health must stay SERVING; wait for drafting to resume
+            record["recovered_s"] = self._drafting_again(before[0], start, deadline)
+        else:
+            record["recovered_s"] = self._serving_again(start, deadline)
         # measured for every fault: a rank's restart takes the service out of SERVING,
         # a draft actor's replacement must not
         with self.lock:
@@ -265,6 +303,7 @@ class Chaos:
             ray_address = server.ray_address()
             schedule = ["draft", "rank1", "rank0"] * self.args.kills
             schedule += ["hang-draft", "hang-rank1", "hang-rank0"] * self.args.hangs
+            schedule += ["draft+rank0"] * self.args.overlaps
             self.rng.shuffle(schedule)
             self.t0 = time.monotonic()
             threads = [
@@ -335,14 +374,19 @@ def markdown(r: dict) -> str:
         left = k.get("health_left_serving", "-")  # "-": not measured
         ended = k.get("stopped_process_ended", "")
         back = "not recovered" if k["recovered_s"] is None else k["recovered_s"]
+        if "serving_s" in k:  # the compound fault: both parts of its recovery
+            back = (
+                f"{back} (rank 0 killed at {k['rank0_after_s']}; serving at "
+                f"{k['serving_s']}, drafting at {k['drafting_s']})"
+            )
         lines.append(f"| {k['role']} | {k['at_s']} | {back} | {left} | {ended} |")
     lines.append(
         "\n# recovered after: draft = until the new draft actor drafts again; "
-        "rank = until health is SERVING again. Tokens lost / duplicated: greedy streams "
-        "token by token against the uninterrupted output, sampled streams by count (the "
-        "streamed tokens against the result's completion_tokens). hang-X: X's process "
-        "SIGSTOPped (noticed "
-        "after recovery.probe_timeout_s); stopped processes left at the end: "
+        "rank = until health is SERVING again; draft+rank0 = both. Tokens lost / "
+        "duplicated: greedy streams token by token against the uninterrupted output, "
+        "sampled streams by count (the streamed tokens against the result's "
+        "completion_tokens). hang-X: X's process SIGSTOPped (noticed after "
+        "recovery.probe_timeout_s); stopped processes left at the end: "
         f"{r['stopped_processes_left']}"
     )
     return "\n".join(lines)
@@ -354,6 +398,9 @@ def main(argv=None) -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--kills", type=int, default=2, help="kills of each actor")
     parser.add_argument("--hangs", type=int, default=1, help="SIGSTOPs of each actor")
+    parser.add_argument(
+        "--overlaps", type=int, default=1, help="draft kills with rank 0 killed during the load"
+    )
     parser.add_argument("--gap", type=float, default=20.0, help="seconds between kills")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -361,7 +408,7 @@ def main(argv=None) -> None:
     parser.add_argument("--md", type=Path, default=None, help="also write the tables here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.clients, args.kills, args.hangs, args.gap = 4, 1, 0, 8.0
+        args.clients, args.kills, args.hangs, args.overlaps, args.gap = 4, 1, 0, 0, 8.0
 
     from cactus import environment
 

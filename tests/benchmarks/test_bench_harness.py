@@ -401,9 +401,23 @@ def test_the_chaos_bench_tells_a_stopped_process_from_an_ended_one():
                 "health_left_serving": False,
                 "stopped_process_ended": True,
             },
+            {
+                "role": "draft+rank0",
+                "at_s": 40.0,
+                "recovered_s": 16.5,
+                "rank0_after_s": 0.4,
+                "serving_s": 9.1,
+                "drafting_s": 16.5,
+                "health_left_serving": True,
+            },
         ],
     }
     text = markdown(report)
+    # the compound fault gives both parts of its recovery
+    assert (
+        "| draft+rank0 | 40.0 | 16.5 (rank 0 killed at 0.4; serving at 9.1, drafting at 16.5) "
+        "| True |  |" in text
+    )
     assert "| hang-draft | 20.0 | 18.0 | False | True |" in text
     assert "| rank0 | 1.0 | 7.0 | True |  |" in text
     # a fault it did not recover from within the deadline is not given a time, and a
