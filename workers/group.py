@@ -325,15 +325,17 @@ class EngineGroup:
         """A new draft actor in the old one's bundle; rank 0 switches to it and re-opens
         the draft sessions of its running requests, which then speculate again.
 
-        The new actor loads (a process start and a model load, up to start_timeout_s)
-        outside the restart lock, which is held only to end the old actor and launch the
-        new one, then to attach it: a rank that dies meanwhile is restarted at once (its
-        rank 0 starts without a draft actor), not after the load, and the new actor is
-        attached to whichever rank 0 runs when it has loaded. Until then `draft` is None
-        (a gang restart does not wait for a loading actor's reset); a shutdown meanwhile
-        ends the loading actor too. A draft actor on a fraction of a GPU may share that
-        GPU with a rank: it loads under the lock, so its load and a restarted rank's do
-        not need their memory at once."""
+        The restart lock is held only to end the old actor and launch the new one, then
+        to record it: the load (a process start and a model load, up to
+        start_timeout_s) and the attach to rank 0 run outside it, so a rank that dies or
+        hangs meanwhile is restarted at once, not after them. While it loads `draft` is
+        None (a gang restart then starts rank 0 without a draft actor, and does not wait
+        for a loading actor's reset); a shutdown meanwhile ends the loading actor too.
+        Once recorded, a gang restart connects the new ranks to it, so an attach that
+        fails because rank 0 died or hung (or was restarted meanwhile) still leaves the
+        replacement done. A draft actor on a fraction of a GPU may share that GPU with a
+        rank: it loads under the lock, so its load and a restarted rank's do not need
+        their memory at once."""
         with self._restarting:
             self._refuse_if_closed()
             old, self.draft = self.draft, None
@@ -349,17 +351,26 @@ class EngineGroup:
                 self._end([failed] if failed is not None else [], [])
                 raise
             new, serving, launched = self.draft, self._draft_serving, self._draft_launched
-            if 0 < self.config.draft.num_gpus < 1:  # the shared-GPU case above
-                self.draft = None
-                self._load_and_attach(new, serving, launched)
-                return
-            self.draft, self._loading_draft = None, new
-        self._load_and_attach(new, serving, launched, lock=self._restarting)
+            self.draft = None
+            shared = 0 < self.config.draft.num_gpus < 1  # the shared-GPU case above
+            if shared:
+                self._record_draft(new, *self._loaded(new, serving, launched))
+            else:
+                self._loading_draft = new
+        if not shared:
+            loaded = self._loaded(new, serving, launched)
+            with self._restarting:
+                if self._loading_draft is not new:  # shutdown, or a newer replacement
+                    self._end([new], [(loaded[1]["node_id"], loaded[1]["process"])])
+                    self._refuse_if_closed()
+                    raise EngineStartError("the draft actor was ended while it loaded")
+                self._loading_draft = None
+                self._record_draft(new, *loaded)
+        self._attach_draft(new)
 
-    def _load_and_attach(self, new, serving, launched, lock=None) -> None:
-        """Wait for the new draft actor `new` to load, then record it and attach it to
-        rank 0 under `lock`, the restart lock (None: the caller holds it throughout).
-        Any failure ends it."""
+    def _loaded(self, new, serving, launched) -> tuple[str, dict]:
+        """Wait for the new draft actor to load: (its address, its status). A failure
+        ends it."""
         try:
             address = self._wait(serving, "the draft actor did not load", since=launched)
             status = self._wait(new.status.remote(), "the draft actor did not answer")
@@ -368,21 +379,65 @@ class EngineGroup:
                 self._loading_draft = None
             self._end([new], [])
             raise
-        with lock if lock is not None else contextlib.nullcontext():
-            if self._loading_draft is new:
-                self._loading_draft = None
-            elif lock is not None:  # ended meanwhile (shutdown, or a newer replacement)
-                self._end([new], [(status["node_id"], status["process"])])
+        return address, status
+
+    def _record_draft(self, new, address: str, status: dict) -> None:
+        """(Under the restart lock.) The loaded actor becomes the group's draft actor:
+        gang restarts from now on connect rank 0 to it."""
+        if self.closed:  # shut down while it loaded (shutdown ended it already)
+            self._end([new], [(status["node_id"], status["process"])])
+            self._refuse_if_closed()
+        self.draft, self.draft_address = new, address
+        self.placement["draft"] = status["node_id"]
+        self._processes["draft"] = [(status["node_id"], status["process"])]
+        self._undo_if_closed()
+
+    def _attach_draft(self, new) -> None:
+        """Rank 0 switches to the recorded draft actor `new`, outside the restart lock.
+        An attach that fails while rank 0 lives is the replacement's failure: the new
+        actor is ended (it must not hold the draft bundle, nor answer the health probe
+        as if rank 0 drafted with it). One that fails because rank 0 died or hangs, or
+        because the ranks were restarted meanwhile, is not: the gang restart connects
+        the new rank 0 to it."""
+        with self._restarting:
+            if self.draft is not new:  # shut down meanwhile
                 self._refuse_if_closed()
-                raise EngineStartError("the draft actor was ended while it loaded")
-            if self.closed:  # shut down while it loaded (shutdown ended it already)
-                self._end([new], [(status["node_id"], status["process"])])
-                self._refuse_if_closed()
-            self.draft, self.draft_address = new, address
-            self.placement["draft"] = status["node_id"]
-            self._processes["draft"] = [(status["node_id"], status["process"])]
-            self._attach_draft()
-            self._undo_if_closed()
+                raise EngineStartError("the draft actor was ended before it was attached")
+            rank0, generation = (self.ranks[0] if self.ranks else None), self.rank_generation
+            address = self.draft_address
+        if rank0 is None:  # no ranks (a failed gang restart): the next start connects it
+            return
+        try:
+            self._wait(
+                rank0.attach_draft.remote(address),
+                "rank 0 did not attach the new draft actor",
+            )
+            return
+        except Exception as err:  # (an interrupt leaves it recorded: shutdown ends it)
+            failure = err
+        rank0_lives = self._answers(rank0)
+        with self._restarting:
+            self._refuse_if_closed()
+            if self.draft is not new:
+                raise EngineStartError("the draft actor was ended before it was attached")
+            if self.rank_generation != generation or not rank0_lives:
+                logger.warning(
+                    "rank 0 did not attach the new draft actor (%s); its ranks are or will "
+                    "be restarted, and connect to it",
+                    failure,
+                )
+                return
+            failed, self.draft = self.draft, None
+            self._end([failed], self._processes.pop("draft", []))
+            raise failure
+
+    def _answers(self, actor) -> bool:
+        """Does a rank answer its health ping within a probe's time?"""
+        try:
+            ray.get(actor.ping.remote(), timeout=min(10.0, self.config.rpc_timeout_s))
+            return True
+        except Exception:
+            return False
 
     def _refuse_if_closed(self) -> None:
         if self.closed:
@@ -403,21 +458,6 @@ class EngineGroup:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         kill_processes(where, timeout_s=self.config.rpc_timeout_s)
-
-    def _attach_draft(self) -> None:
-        try:
-            self._wait(
-                self.rank0.attach_draft.remote(self.draft_address),
-                "rank 0 did not attach the new draft actor",
-            )
-        except BaseException:
-            # A new actor rank 0 could not attach (no live rank 0, or an attach that
-            # outlasted the wait switched late: the next try replaces it) is ended: it
-            # must not hold the draft bundle, nor answer the health probe as if rank 0
-            # drafted with it.
-            failed, self.draft = self.draft, None
-            self._end([failed] if failed is not None else [], self._processes.pop("draft", []))
-            raise
 
     def restart_ranks(self) -> bool:
         """Gang restart: every rank is killed and started again in the same bundle (a

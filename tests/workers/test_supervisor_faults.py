@@ -452,9 +452,10 @@ def test_the_draft_client_can_skip_the_status_of_a_dead_actor(monkeypatch):
     assert calls == [1]
 
 
-def _replacing(group, new, log: list, loading=None, fail: str = ""):
-    """Make `group` replace its draft actor with `new` (a fake handle): `loading`, an
-    Event the new actor's load waits for; `fail`, the wait (its message) that fails."""
+def _replacing(group, new, log: list, loading=None, fail: str = "", attaching=None):
+    """Make `group` replace its draft actor with `new` (a fake handle): `loading` and
+    `attaching`, Events the new actor's load and its attach to rank 0 wait for; `fail`,
+    the wait (its message) that fails."""
 
     def launch() -> None:
         group.draft, group._draft_serving, group._draft_launched = new, "serve", 0.0
@@ -463,6 +464,8 @@ def _replacing(group, new, log: list, loading=None, fail: str = ""):
         log.append(("wait", what))
         if what == "the draft actor did not load" and loading is not None:
             assert loading.wait(10.0)
+        if "did not attach" in what and attaching is not None:
+            assert attaching.wait(10.0)
         if fail and fail in what:
             raise EngineStartError(what)
         if what == "the draft actor did not load":
@@ -556,11 +559,98 @@ def test_a_gang_restart_does_not_wait_for_a_draft_actor_that_loads(fake_ray, dra
         restart.join(5.0)
     assert not errors and group.draft is new and group.draft_address == "127.0.0.1:1"
     assert group.placement["draft"] == "n1" and group._loading_draft is None
-    if draft_gpus:
-        assert ("rank0", "attach_draft") in log and ("new-draft", "reset") in log
-        assert started == [True, True]
+    if draft_gpus:  # the restart ran once the new actor was recorded: it reset it,
+        # and the attach went to whichever rank 0 ran then (both orders are fine)
+        assert ("new-draft", "reset") in log and started == [True, True]
+        assert {("rank0", "attach_draft"), ("new-rank0", "attach_draft")} & set(log)
     else:
         assert ("new-rank0", "attach_draft") in log and ("rank0", "attach_draft") not in log
+
+
+class _DeadRank:
+    """A rank whose process is gone: every call fails as Ray's would."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __getattr__(self, method):
+        def remote(*args, **kwargs):
+            from ray.exceptions import RayActorError
+
+            self.log.append((self.name, method))
+            raise RayActorError()
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_an_attach_that_fails_with_rank0_gone_keeps_the_new_draft_actor(fake_ray):
+    """EngineGroup.replace_draft: the new actor is recorded before the attach, so an
+    attach that fails because rank 0 is dead (it does not answer its ping) leaves the
+    replacement done: the gang restart that follows resets the new actor and connects
+    the new rank 0 to it (draft_alive True), instead of a second load. The old code
+    ended the loaded actor, and the supervisor's next try loaded another."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    old = _Actor("old-draft", log)
+    group.draft, group.ranks = old, [_DeadRank("rank0", log)]
+    new = _Actor("new-draft", log)
+    _replacing(group, new, log, fail="did not attach")
+    group.replace_draft()  # no error: the ranks' restart will connect to it
+    assert group.draft is new and fake_ray == [old] and ("rank0", "ping") in log
+    started = []
+    group._start_ranks = lambda draft_alive=True: started.append(draft_alive)
+    assert group.restart_ranks() is True
+    assert started == [True] and ("new-draft", "reset") in log
+
+
+def test_a_gang_restart_does_not_wait_for_a_draft_actors_attach(fake_ray):
+    """EngineGroup: the attach of a new draft actor to rank 0 runs outside the restart
+    lock. A hung rank 0 keeps an attach waiting (up to start_timeout_s); the gang restart
+    that the supervisor's probe starts meanwhile goes ahead at once, connects the new
+    ranks to the new draft actor, and the attach that then fails is no failure of the
+    replacement. The old code held the lock through the attach."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_Actor("rank0", log)]
+    new, attaching = _Actor("new-draft", log), threading.Event()
+    _replacing(group, new, log, fail="did not attach", attaching=attaching)
+    started = []
+
+    def start_ranks(draft_alive: bool = True) -> None:
+        started.append(draft_alive)
+        group.ranks = [_Actor("new-rank0", log)]
+
+    group._start_ranks = start_ranks
+    errors: list = []
+    replacing = threading.Thread(
+        target=lambda: _record_errors(group.replace_draft, errors), daemon=True
+    )
+    replacing.start()
+    deadline = time.monotonic() + 5.0
+    while ("wait", "rank 0 did not attach the new draft actor") not in log:
+        assert replacing.is_alive() and time.monotonic() < deadline, errors
+        time.sleep(0.01)
+    restart = threading.Thread(target=lambda: started.append(group.restart_ranks()))
+    try:
+        restart.start()
+        restart.join(2.0)
+        assert not restart.is_alive(), "the gang restart waited for the draft's attach"
+        assert started == [True, True] and ("new-draft", "reset") in log
+    finally:
+        attaching.set()
+        replacing.join(5.0)
+    assert not errors and group.draft is new and new not in fake_ray
+
+
+def _record_errors(call, errors: list) -> None:
+    try:
+        call()
+    except BaseException as err:  # checked by the caller
+        errors.append(err)
 
 
 def test_a_shutdown_while_a_draft_replacement_loads_ends_the_loading_actor(fake_ray):
