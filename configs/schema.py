@@ -231,7 +231,12 @@ class RecoveryConfig(_Model):
         3,
     )
     check_period_s: Float = doc("how often the supervisor probes the engine's actors", 0.5)
-    probe_timeout_s: Float = doc("an actor that does not answer a probe this long is dead", 10.0)
+    probe_timeout_s: Float = doc(
+        "an actor that does not answer a probe this long is dead (also the longest a gang "
+        "restart waits for the draft actor's reset, and a draft replacement for rank 0's "
+        "ping after a failed attach)",
+        10.0,
+    )
     recovery_timeout_s: Float = doc(
         "the longest a request waits for a restart (its own deadline may be shorter)", 120.0
     )

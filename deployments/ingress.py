@@ -202,6 +202,7 @@ def group_config(config: ServeConfig):
         draft=actor_resources(r.draft),
         rank=actor_resources(r.verifier_rank),
         start_timeout_s=c.limits.start_timeout_s,
+        probe_timeout_s=c.recovery.probe_timeout_s,
         max_concurrency=max(4, c.limits.max_ongoing_requests * 2, c.batching.max_num_seqs * 2),
         max_num_seqs=c.batching.max_num_seqs,
         max_num_batched_tokens=c.batching.max_num_batched_tokens,

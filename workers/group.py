@@ -78,6 +78,9 @@ class GroupConfig:
     shm_allreduce: bool = False  # DeepSpeed's shared-memory all-reduce (see tp_verifier)
     lease_s: float = 120.0
     rpc_timeout_s: float = 30.0
+    # an actor that does not answer a control call (the draft actor's reset in a gang
+    # restart, rank 0's ping) this long is dead or hung: the supervisor's probe timeout
+    probe_timeout_s: float = 10.0
     start_timeout_s: float = 300.0
     max_concurrency: int = 64  # calls rank 0 takes at once (running + waiting requests)
     max_num_seqs: int = 32  # rows in the batch (see workers/scheduler.py)
@@ -432,9 +435,9 @@ class EngineGroup:
             raise failure
 
     def _answers(self, actor) -> bool:
-        """Does a rank answer its health ping within a probe's time?"""
+        """Does a rank answer its health ping within the probe's timeout?"""
         try:
-            ray.get(actor.ping.remote(), timeout=min(10.0, self.config.rpc_timeout_s))
+            ray.get(actor.ping.remote(), timeout=self.config.probe_timeout_s)
             return True
         except Exception:
             return False
@@ -491,7 +494,8 @@ class EngineGroup:
         draft_alive = self.draft is not None  # None: a failed replacement left none
         if draft_alive:
             try:
-                ray.get(self.draft.reset.remote(), timeout=self.config.rpc_timeout_s)
+                # (a hung draft actor held every such restart for rpc_timeout_s, 30 s)
+                ray.get(self.draft.reset.remote(), timeout=self.config.probe_timeout_s)
             except (RayActorError, GetTimeoutError):  # dead or hung: the supervisor's
                 draft_alive = False  # probe finds it and replaces it
             except Exception:  # it answered, with an error: it runs

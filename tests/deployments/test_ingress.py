@@ -462,6 +462,7 @@ def test_config_keys_reach_serve_and_the_engine_group():
     assert (group.threads, group.shm_allreduce, group.start_timeout_s) == (3, True, 42.0)
     recovery = recovery_config(config)  # the supervisor's share of `recovery`
     assert (recovery.probe_timeout_s, recovery.restart_attempts) == (4.0, 2)
+    assert group.probe_timeout_s == 4.0  # the gang restart's reset of the draft actor
     assert recovery_config(from_dict({})) == type(recovery)()  # the same defaults
     assert (group.max_num_seqs, group.batch_wait_ms) == (6, 1.5)
 

@@ -439,6 +439,29 @@ def test_a_gang_restart_without_a_live_draft_does_not_wait_for_it(fake_ray):
     assert seen == returned == [False, False, False, True, True]
 
 
+def test_a_gang_restart_waits_for_the_draft_actors_reset_only_a_probes_time(monkeypatch):
+    """EngineGroup: a gang restart resets the draft actor (drops the old rank 0's
+    sessions) and waits for that at most `probe_timeout_s` (recovery.probe_timeout_s),
+    after which the draft actor is as dead as the supervisor's probe would declare it;
+    it waited rpc_timeout_s (30 s) before, holding every stream."""
+    import workers.group as group_mod
+    from workers.group import EngineGroup, GroupConfig
+
+    timeouts: list = []
+
+    def get(refs, timeout=None):
+        timeouts.append(timeout)
+        return refs
+
+    monkeypatch.setattr(group_mod, "ray", SimpleNamespace(get=get, kill=lambda actor: None))
+    monkeypatch.setattr(group_mod, "kill_processes", lambda where, timeout_s: None)
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d", probe_timeout_s=4.0))
+    group.draft, group.ranks = _Actor("draft", []), [_Actor("rank0", [])]
+    group._start_ranks = lambda draft_alive=True: None
+    assert group.restart_ranks() is True
+    assert timeouts == [4.0]
+
+
 def test_the_draft_client_can_skip_the_status_of_a_dead_actor(monkeypatch):
     """GrpcDrafter(check=False), what rank 0 builds in a restart without a live draft
     actor: no Status call (the one that waits for the actor to come up)."""
