@@ -133,6 +133,11 @@ class EngineGroup:
         self.draft_address = ""
         self._draft_serving = None  # the new draft actor's serve() call (_launch_draft)
         self._loading_draft = None  # a replacement draft actor still loading (replace_draft)
+        # the rank generation whose rank 0 drafts with `draft` (None: none does yet), and
+        # whether a replacement's attach failed with rank 0 silent (the next replace_draft
+        # only attaches, unless a gang restart connected the new ranks to it meanwhile)
+        self._draft_user: int | None = None
+        self._attach_owed = False
         self.placement: dict = {}
         # request id -> its calls to rank 0 in flight (refs): `cancel` drops one still
         # queued for a rank-0 thread, which rank 0's cancel flag cannot reach
@@ -172,6 +177,7 @@ class EngineGroup:
             # after the other; rank 0 needs the draft's address only to connect.
             self._launch_draft()
             self._start_ranks(draft_loading=True)
+            self._draft_user = self.rank_generation
         except BaseException:
             self._abandon()
             raise
@@ -334,14 +340,26 @@ class EngineGroup:
         hangs meanwhile is restarted at once, not after them. While it loads `draft` is
         None (a gang restart then starts rank 0 without a draft actor, and does not wait
         for a loading actor's reset); a shutdown meanwhile ends the loading actor too.
-        Once recorded, a gang restart connects the new ranks to it, so an attach that
-        fails because rank 0 died or hung (or was restarted meanwhile) still leaves the
-        replacement done. A draft actor on a fraction of a GPU may share that GPU with a
-        rank: it loads under the lock, so its load and a restarted rank's do not need
-        their memory at once."""
+        Once recorded, a gang restart connects the new ranks to it; an attach that
+        fails while rank 0 does not answer (or was restarted meanwhile) keeps the loaded
+        actor, and the next call only attaches it (or finds that a gang restart
+        connected the new ranks to it): no second load. A draft actor on a fraction of
+        a GPU may share that GPU with a rank: it loads under the lock, so its load and a
+        restarted rank's do not need their memory at once."""
         with self._restarting:
             self._refuse_if_closed()
-            old, self.draft = self.draft, None
+            owed, self._attach_owed = self._attach_owed, False
+            attach_only = owed and self.draft is not None  # a try whose attach is owed
+            if attach_only:
+                if self._draft_user == self.rank_generation:
+                    return  # a gang restart connected the new ranks to it meanwhile
+                new = self.draft
+        if attach_only:
+            self._attach_draft(new)
+            return
+        with self._restarting:
+            self._refuse_if_closed()
+            old, self.draft, self._draft_user = self.draft, None, None
             # (a replacement abandoned while it loaded, its caller gone: it ends too)
             stale, self._loading_draft = self._loading_draft, None
             ended = [a for a in (old, stale) if a is not None]
@@ -397,17 +415,21 @@ class EngineGroup:
 
     def _attach_draft(self, new) -> None:
         """Rank 0 switches to the recorded draft actor `new`, outside the restart lock.
-        An attach that fails while rank 0 lives is the replacement's failure: the new
+        An attach that fails while rank 0 answers is the replacement's failure: the new
         actor is ended (it must not hold the draft bundle, nor answer the health probe
-        as if rank 0 drafted with it). One that fails because rank 0 died or hangs, or
-        because the ranks were restarted meanwhile, is not: the gang restart connects
-        the new rank 0 to it."""
+        as if rank 0 drafted with it). One that fails because the ranks were restarted
+        meanwhile is not, if the restart connected the new rank 0 to it. One that fails
+        while rank 0 does not answer keeps the new actor and raises: the attach is owed,
+        and the supervisor's next try makes it, or finds that the gang restart which a
+        dead rank 0 gets connected the new ranks to it."""
         with self._restarting:
             if self.draft is not new:  # shut down meanwhile
                 self._refuse_if_closed()
                 raise EngineStartError("the draft actor was ended before it was attached")
-            rank0, generation = (self.ranks[0] if self.ranks else None), self.rank_generation
-            address = self.draft_address
+            generation = self.rank_generation
+            if self._draft_user == generation:
+                return  # a gang restart connected rank 0 to it already
+            rank0, address = (self.ranks[0] if self.ranks else None), self.draft_address
         if rank0 is None:  # no ranks (a failed gang restart): the next start connects it
             return
         try:
@@ -415,21 +437,27 @@ class EngineGroup:
                 rank0.attach_draft.remote(address),
                 "rank 0 did not attach the new draft actor",
             )
-            return
         except Exception as err:  # (an interrupt leaves it recorded: shutdown ends it)
             failure = err
-        rank0_lives = self._answers(rank0)
+        else:
+            with self._restarting:
+                if self.rank_generation == generation and self.draft is new:
+                    self._draft_user = generation
+            return
+        rank0_answers = self._answers(rank0)
         with self._restarting:
             self._refuse_if_closed()
             if self.draft is not new:
                 raise EngineStartError("the draft actor was ended before it was attached")
-            if self.rank_generation != generation or not rank0_lives:
-                logger.warning(
-                    "rank 0 did not attach the new draft actor (%s); its ranks are or will "
-                    "be restarted, and connect to it",
-                    failure,
-                )
-                return
+            if self._draft_user == self.rank_generation:
+                return  # the ranks were restarted meanwhile, connected to it
+            if self.rank_generation != generation or not rank0_answers:
+                self._attach_owed = True
+                raise EngineStartError(
+                    f"rank 0 did not attach the new draft actor ({failure}) and "
+                    + ("was restarted" if self.rank_generation != generation else "does not answer")
+                    + ": the loaded actor is kept, and attached by the next try"
+                ) from failure
             failed, self.draft = self.draft, None
             self._end([failed], self._processes.pop("draft", []))
             raise failure
@@ -496,11 +524,19 @@ class EngineGroup:
             try:
                 # (a hung draft actor held every such restart for rpc_timeout_s, 30 s)
                 ray.get(self.draft.reset.remote(), timeout=self.config.probe_timeout_s)
-            except (RayActorError, GetTimeoutError):  # dead or hung: the supervisor's
-                draft_alive = False  # probe finds it and replaces it
+            except RayActorError:  # dead: the supervisor's probe replaces it
+                draft_alive = False
+            except GetTimeoutError:  # hung, or too slow to count as alive: it is ended
+                # (a reset that ran late would drop the new rank 0's sessions while the
+                # probe, answered, saw nothing wrong), and the probe replaces it
+                draft_alive = False
+                stuck, self.draft = self.draft, None
+                self._end([stuck], self._processes.pop("draft", []))
             except Exception:  # it answered, with an error: it runs
                 logger.exception("the draft actor's reset failed")
         self._start_ranks(draft_alive=draft_alive)
+        # the new rank 0 drafts with the recorded draft actor (an attach owed is made)
+        self._draft_user = self.rank_generation if draft_alive else None
         return draft_alive
 
     @property

@@ -580,18 +580,20 @@ def test_a_gang_restart_does_not_wait_for_a_draft_actor_that_loads(fake_ray, dra
         loading.set()
         replacing.join(5.0)
         restart.join(5.0)
+    assert not replacing.is_alive() and not restart.is_alive()
     assert not errors and group.draft is new and group.draft_address == "127.0.0.1:1"
     assert group.placement["draft"] == "n1" and group._loading_draft is None
     if draft_gpus:  # the restart ran once the new actor was recorded: it reset it,
         # and the attach went to whichever rank 0 ran then (both orders are fine)
         assert ("new-draft", "reset") in log and started == [True, True]
-        assert {("rank0", "attach_draft"), ("new-rank0", "attach_draft")} & set(log)
+        # no second attach to a rank 0 the restart connected already
+        assert ("new-rank0", "attach_draft") not in log
     else:
         assert ("new-rank0", "attach_draft") in log and ("rank0", "attach_draft") not in log
 
 
 class _DeadRank:
-    """A rank whose process is gone: every call fails as Ray's would."""
+    """A rank whose process is gone: every call's ray.get raises as Ray's would."""
 
     def __init__(self, name: str, log: list) -> None:
         self.name, self.log = name, log
@@ -601,17 +603,19 @@ class _DeadRank:
             from ray.exceptions import RayActorError
 
             self.log.append((self.name, method))
-            raise RayActorError()
+            return RayActorError()  # the fake ray.get raises what it is given
 
         return SimpleNamespace(remote=remote)
 
 
-def test_an_attach_that_fails_with_rank0_gone_keeps_the_new_draft_actor(fake_ray):
-    """EngineGroup.replace_draft: the new actor is recorded before the attach, so an
-    attach that fails because rank 0 is dead (it does not answer its ping) leaves the
-    replacement done: the gang restart that follows resets the new actor and connects
-    the new rank 0 to it (draft_alive True), instead of a second load. The old code
-    ended the loaded actor, and the supervisor's next try loaded another."""
+@pytest.mark.parametrize("then", ["ranks-restarted", "rank0-answers-again"])
+def test_an_attach_that_fails_with_rank0_silent_keeps_the_new_draft_actor(fake_ray, then):
+    """EngineGroup.replace_draft: an attach that fails while rank 0 does not answer its
+    ping keeps the loaded actor (the group's draft actor from then on) and raises: the
+    attach is owed. If rank 0 was dead, the gang restart that follows resets the new
+    actor and connects the new rank 0 to it, and the supervisor's next try finds nothing
+    to do; if rank 0 was only slow, the next try attaches the kept actor. Neither loads
+    a second one (the old code ended the loaded actor, and the next try loaded another)."""
     from workers.group import EngineGroup, GroupConfig
 
     log: list = []
@@ -620,12 +624,30 @@ def test_an_attach_that_fails_with_rank0_gone_keeps_the_new_draft_actor(fake_ray
     group.draft, group.ranks = old, [_DeadRank("rank0", log)]
     new = _Actor("new-draft", log)
     _replacing(group, new, log, fail="did not attach")
-    group.replace_draft()  # no error: the ranks' restart will connect to it
+    with pytest.raises(EngineStartError, match="does not answer"):
+        group.replace_draft()
     assert group.draft is new and fake_ray == [old] and ("rank0", "ping") in log
-    started = []
-    group._start_ranks = lambda draft_alive=True: started.append(draft_alive)
-    assert group.restart_ranks() is True
-    assert started == [True] and ("new-draft", "reset") in log
+    load = ("wait", "the draft actor did not load")
+    assert log.count(load) == 1
+    if then == "ranks-restarted":  # the supervisor's probe found rank 0 dead
+        started = []
+
+        def start_ranks(draft_alive: bool = True) -> None:
+            started.append(draft_alive)
+            group.ranks = [_Actor("new-rank0", log)]
+
+        group._start_ranks = start_ranks
+        assert group.restart_ranks() is True
+        assert started == [True] and ("new-draft", "reset") in log
+    else:  # it was only slow: it answers again
+        group.ranks = [_Actor("rank0-again", log)]
+    _replacing(group, _Actor("unused", log), log)  # the next try's load, were it made
+    group.replace_draft()  # the supervisor's next try
+    assert group.draft is new and new not in fake_ray and log.count(load) == 1
+    attached = [name for name, method in log if method == "attach_draft"]
+    # (the first, failed attach, then the owed one where no restart connected it)
+    assert attached == ["rank0"] + ([] if then == "ranks-restarted" else ["rank0-again"])
+    assert group._draft_user == group.rank_generation and not group._attach_owed
 
 
 def test_a_gang_restart_does_not_wait_for_a_draft_actors_attach(fake_ray):
@@ -666,7 +688,10 @@ def test_a_gang_restart_does_not_wait_for_a_draft_actors_attach(fake_ray):
     finally:
         attaching.set()
         replacing.join(5.0)
+    assert not replacing.is_alive()
+    # the attach failed, but the restart had connected the new ranks to the new actor
     assert not errors and group.draft is new and new not in fake_ray
+    assert group._draft_user == group.rank_generation and not group._attach_owed
 
 
 def _record_errors(call, errors: list) -> None:
@@ -697,6 +722,7 @@ def test_a_shutdown_while_a_draft_replacement_loads_ends_the_loading_actor(fake_
     finally:
         loading.set()
         replacing.join(5.0)
+    assert not replacing.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], EngineStartError)
     assert ("new-draft", "shutdown") not in log and ("rank0", "attach_draft") not in log
     assert group.draft is None and group._loading_draft is None
@@ -734,6 +760,7 @@ def test_a_replacement_whose_launch_fails_or_that_a_newer_one_overtakes_is_ended
     finally:
         loading.set()
         replacing.join(5.0)
+    assert not replacing.is_alive()
     assert len(errors) == 1 and "ended while it loaded" in str(errors[0])
     assert group.draft is second and group._loading_draft is None
     assert [name for name, method in log if method == "attach_draft"] == ["rank0"]
@@ -758,7 +785,13 @@ def fake_ray(monkeypatch):
     import workers.group as group_mod
 
     killed: list = []
-    fake = SimpleNamespace(get=lambda refs, timeout=None: refs, kill=killed.append)
+
+    def get(refs, timeout=None):
+        if isinstance(refs, BaseException):  # a fake call that fails (_DeadRank)
+            raise refs
+        return refs
+
+    fake = SimpleNamespace(get=get, kill=killed.append)
     monkeypatch.setattr(group_mod, "ray", fake)
     monkeypatch.setattr(group_mod, "kill_processes", lambda where, timeout_s: None)
     return killed
