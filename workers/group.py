@@ -138,6 +138,9 @@ class EngineGroup:
         # only attaches, unless a gang restart connected the new ranks to it meanwhile)
         self._draft_user: int | None = None
         self._attach_owed = False
+        # the rank generation whose ranks started and whose rank 0 connected (None: a
+        # gang restart has not finished): only such a rank 0 can attach a draft actor
+        self._ranks_ready: int | None = 0
         self.placement: dict = {}
         # request id -> its calls to rank 0 in flight (refs): `cancel` drops one still
         # queued for a rank-0 thread, which rank 0's cancel flag cannot reach
@@ -177,7 +180,7 @@ class EngineGroup:
             # after the other; rank 0 needs the draft's address only to connect.
             self._launch_draft()
             self._start_ranks(draft_loading=True)
-            self._draft_user = self.rank_generation
+            self._ranks_ready = self._draft_user = self.rank_generation
         except BaseException:
             self._abandon()
             raise
@@ -349,13 +352,14 @@ class EngineGroup:
         with self._restarting:
             self._refuse_if_closed()
             owed, self._attach_owed = self._attach_owed, False
-            attach_only = owed and self.draft is not None  # a try whose attach is owed
-            if attach_only:
-                if self._draft_user == self.rank_generation:
-                    return  # a gang restart connected the new ranks to it meanwhile
-                new = self.draft
-        if attach_only:
-            self._attach_draft(new)
+            kept = self.draft if owed else None  # a try whose attach is owed
+        if kept is not None and self._answers(kept, "status"):  # (dead: replaced below)
+            with self._restarting:
+                self._refuse_if_closed()
+                connected = self.draft is kept and self._draft_user == self.rank_generation
+            if connected:
+                return  # a gang restart connected the new ranks to it meanwhile
+            self._attach_draft(kept)
             return
         with self._restarting:
             self._refuse_if_closed()
@@ -429,9 +433,10 @@ class EngineGroup:
             generation = self.rank_generation
             if self._draft_user == generation:
                 return  # a gang restart connected rank 0 to it already
-            rank0, address = (self.ranks[0] if self.ranks else None), self.draft_address
-        if rank0 is None:  # no ranks (a failed gang restart): the next start connects it
-            return
+            ready = self.ranks and self._ranks_ready == generation
+            rank0, address = (self.ranks[0] if ready else None), self.draft_address
+        if rank0 is None:  # no started ranks (a gang restart failed part way): the next
+            return  # one connects the new rank 0 to it
         try:
             self._wait(
                 rank0.attach_draft.remote(address),
@@ -441,8 +446,17 @@ class EngineGroup:
             failure = err
         else:
             with self._restarting:
-                if self.rank_generation == generation and self.draft is new:
+                if self.draft is not new:  # ended meanwhile (a restart found it dead)
+                    self._refuse_if_closed()
+                    raise EngineStartError("the draft actor was ended while it was attached")
+                if self.rank_generation == generation:
                     self._draft_user = generation
+                elif self._draft_user != self.rank_generation:  # restarted meanwhile,
+                    self._attach_owed = True  # without it
+                    raise EngineStartError(
+                        "the ranks were restarted while the new draft actor was attached: "
+                        "it is attached by the next try"
+                    )
             return
         rank0_answers = self._answers(rank0)
         with self._restarting:
@@ -462,10 +476,11 @@ class EngineGroup:
             self._end([failed], self._processes.pop("draft", []))
             raise failure
 
-    def _answers(self, actor) -> bool:
-        """Does a rank answer its health ping within the probe's timeout?"""
+    def _answers(self, actor, method: str = "ping") -> bool:
+        """Does an actor answer its health call (a rank's ping, the draft actor's
+        status) within the probe's timeout?"""
         try:
-            ray.get(actor.ping.remote(), timeout=self.config.probe_timeout_s)
+            ray.get(getattr(actor, method).remote(), timeout=self.config.probe_timeout_s)
             return True
         except Exception:
             return False
@@ -519,22 +534,23 @@ class EngineGroup:
         self._remove_shm()
         self.ranks, self.followers = [], []
         self.rank_generation += 1
+        self._ranks_ready = None  # until the new ranks have started and rank 0 connected
         draft_alive = self.draft is not None  # None: a failed replacement left none
         if draft_alive:
             try:
                 # (a hung draft actor held every such restart for rpc_timeout_s, 30 s)
                 ray.get(self.draft.reset.remote(), timeout=self.config.probe_timeout_s)
-            except RayActorError:  # dead: the supervisor's probe replaces it
+            except (RayActorError, GetTimeoutError):
+                # dead, hung, or too slow to count as alive: it is ended (a reset that ran
+                # late would drop the new rank 0's sessions while the probe, answered,
+                # saw nothing wrong) and forgotten, and the supervisor's probe replaces it
                 draft_alive = False
-            except GetTimeoutError:  # hung, or too slow to count as alive: it is ended
-                # (a reset that ran late would drop the new rank 0's sessions while the
-                # probe, answered, saw nothing wrong), and the probe replaces it
-                draft_alive = False
-                stuck, self.draft = self.draft, None
-                self._end([stuck], self._processes.pop("draft", []))
+                gone, self.draft = self.draft, None
+                self._end([gone], self._processes.pop("draft", []))
             except Exception:  # it answered, with an error: it runs
                 logger.exception("the draft actor's reset failed")
         self._start_ranks(draft_alive=draft_alive)
+        self._ranks_ready = self.rank_generation
         # the new rank 0 drafts with the recorded draft actor (an attach owed is made)
         self._draft_user = self.rank_generation if draft_alive else None
         return draft_alive

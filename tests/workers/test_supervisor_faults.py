@@ -650,6 +650,59 @@ def test_an_attach_that_fails_with_rank0_silent_keeps_the_new_draft_actor(fake_r
     assert group._draft_user == group.rank_generation and not group._attach_owed
 
 
+def test_an_owed_attach_of_a_kept_actor_that_died_loads_a_new_one(fake_ray):
+    """EngineGroup.replace_draft: the next try after an owed attach asks the kept actor
+    first; one that died since (its status fails) is ended and replaced by a new load,
+    not attached (rank 0 would take a dead actor and decode without drafts)."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_DeadRank("rank0", log)]
+    kept = _Actor("kept", log)
+    _replacing(group, kept, log, fail="did not attach")
+    with pytest.raises(EngineStartError, match="does not answer"):
+        group.replace_draft()
+    assert group.draft is kept and group._attach_owed
+    group.draft = dead = _DeadRank("kept-dead", log)  # the kept actor died since
+    group.ranks = [_Actor("rank0-again", log)]
+    fresh = _Actor("fresh", log)
+    _replacing(group, fresh, log)
+    group.replace_draft()
+    assert group.draft is fresh and dead in fake_ray and ("kept-dead", "status") in log
+    assert log.count(("wait", "the draft actor did not load")) == 2
+    assert ("rank0-again", "attach_draft") in log and ("kept-dead", "reset") not in log
+
+
+def test_a_rank0_whose_restart_failed_part_way_is_not_attached_to(fake_ray):
+    """EngineGroup: a gang restart that raised after starting the new ranks but before
+    rank 0 connected leaves a rank 0 that answers its ping but has no engine. A new draft
+    actor is not attached there (that attach fails, the ping answers, and the loaded
+    actor would be ended): it stays the group's, and the next restart connects it."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_Actor("rank0", log)]
+
+    def start_fails(draft_alive: bool = True) -> None:
+        group.ranks = [_Actor("half-started-rank0", log)]
+        raise EngineStartError("rank 0 did not connect to the draft actor")
+
+    group._start_ranks = start_fails
+    with pytest.raises(EngineStartError):
+        group.restart_ranks()
+    new = _Actor("new-draft", log)
+    _replacing(group, new, log)
+    group.replace_draft()
+    assert group.draft is new and new not in fake_ray
+    assert not [name for name, method in log if method == "attach_draft"]
+    started = []
+    group._start_ranks = lambda draft_alive=True: started.append(draft_alive)
+    assert group.restart_ranks() is True and started == [True]
+    assert group._draft_user == group.rank_generation
+
+
 def test_a_gang_restart_does_not_wait_for_a_draft_actors_attach(fake_ray):
     """EngineGroup: the attach of a new draft actor to rank 0 runs outside the restart
     lock. A hung rank 0 keeps an attach waiting (up to start_timeout_s); the gang restart
