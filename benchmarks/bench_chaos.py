@@ -11,9 +11,11 @@ every `--gap` seconds, with ray.kill (SIGKILL of the actor's process); and `--ha
 times each, the same actors hang: SIGSTOP of the actor's process, which stays alive to
 Ray and answers nothing until the supervisor's probe (`recovery.probe_timeout_s`, 10 s
 by default) declares it dead and the engine SIGKILLs it (README: an actor that hangs).
-`--overlaps` times, a compound fault, `draft+rank0`: the draft actor is killed and, as
-soon as its replacement is launched (its name registered: it loads now), rank 0 too, so
-the gang restart overlaps the new draft actor's load.
+`--overlaps` times each, two compound faults: `draft+rank0`, the draft actor is killed
+and, as soon as its replacement is launched (its name registered: it loads now), rank 0
+too, so the gang restart overlaps the new draft actor's load; and `draft+hang-rank0`,
+the same with rank 0 SIGSTOPped instead, which the probe notices only after the new
+actor has loaded, so the gang restart overlaps the new actor's attach to the hung rank 0.
 A poller asks grpc.health.v1 Check for the `cactus.v1.Cactus` service (does the replica
 take requests; the server's "" also says NOT_SERVING while a draft actor is replaced)
 every 100 ms. Reported:
@@ -238,8 +240,10 @@ class Chaos:
         return None
 
     def run_kill(self, fault: str, ray_address: str) -> dict:
-        """One fault: `role` (kill), `hang-role` (SIGSTOP) or `draft+rank0` (the draft
-        actor killed, then rank 0 while the replacement loads)."""
+        """One fault: `role` (kill), `hang-role` (SIGSTOP), or `draft+rank0` /
+        `draft+hang-rank0` (the draft actor killed, then rank 0 killed or stopped while
+        the replacement loads)."""
+        compound = fault.startswith("draft+")
         role = fault.removeprefix("hang-")
         before = draft_blocks() if role.startswith("draft") else None
         start = time.monotonic()
@@ -248,7 +252,7 @@ class Chaos:
         record["recovered_s"] = None  # unless it recovers within the deadline
         if fault.startswith("hang-"):
             self.stopped.append(stop_process(role))
-        elif fault == "draft+rank0":
+        elif compound:
             kill("draft")
             while time.monotonic() < deadline:  # the replacement's launch
                 names = [n for n in _draft_names() if n != before[0]]
@@ -256,10 +260,13 @@ class Chaos:
                     break
                 time.sleep(0.05)
             record["rank0_after_s"] = round(time.monotonic() - start, 1)
-            kill("rank0")
+            if fault == "draft+hang-rank0":
+                self.stopped.append(stop_process("rank0"))
+            else:
+                kill("rank0")
         else:
             kill(role)
-        if fault == "draft+rank0":  # both: serving again, and the new actor drafting
+        if compound:  # both: serving again, and the new actor drafting
             serving = self._serving_again(start, deadline)
             drafting = self._drafting_again(before[0], start, deadline)
             record["serving_s"], record["drafting_s"] = serving, drafting
@@ -275,7 +282,7 @@ class Chaos:
             statuses = {s for at, s, _ in self.health if at >= start}
         if statuses:  # (no sample since the fault: not measured, printed "-")
             record["health_left_serving"] = statuses != {"SERVING"}
-        if fault.startswith("hang-"):
+        if "hang-" in fault:
             record["stopped_process_ended"] = not is_running(self.stopped[-1])
         return record
 
@@ -303,7 +310,7 @@ class Chaos:
             ray_address = server.ray_address()
             schedule = ["draft", "rank1", "rank0"] * self.args.kills
             schedule += ["hang-draft", "hang-rank1", "hang-rank0"] * self.args.hangs
-            schedule += ["draft+rank0"] * self.args.overlaps
+            schedule += ["draft+rank0", "draft+hang-rank0"] * self.args.overlaps
             self.rng.shuffle(schedule)
             self.t0 = time.monotonic()
             threads = [
@@ -375,14 +382,15 @@ def markdown(r: dict) -> str:
         ended = k.get("stopped_process_ended", "")
         back = "not recovered" if k["recovered_s"] is None else k["recovered_s"]
         if "serving_s" in k:  # the compound fault: both parts of its recovery
+            how = "stopped" if "hang-" in k["role"] else "killed"
             back = (
-                f"{back} (rank 0 killed at {k['rank0_after_s']}; serving at "
+                f"{back} (rank 0 {how} at {k['rank0_after_s']}; serving at "
                 f"{k['serving_s']}, drafting at {k['drafting_s']})"
             )
         lines.append(f"| {k['role']} | {k['at_s']} | {back} | {left} | {ended} |")
     lines.append(
         "\n# recovered after: draft = until the new draft actor drafts again; "
-        "rank = until health is SERVING again; draft+rank0 = both. Tokens lost / "
+        "rank = until health is SERVING again; draft+X = both. Tokens lost / "
         "duplicated: greedy streams token by token against the uninterrupted output, "
         "sampled streams by count (the streamed tokens against the result's "
         "completion_tokens). hang-X: X's process SIGSTOPped (noticed after "
@@ -399,7 +407,10 @@ def main(argv=None) -> None:
     parser.add_argument("--kills", type=int, default=2, help="kills of each actor")
     parser.add_argument("--hangs", type=int, default=1, help="SIGSTOPs of each actor")
     parser.add_argument(
-        "--overlaps", type=int, default=1, help="draft kills with rank 0 killed during the load"
+        "--overlaps",
+        type=int,
+        default=1,
+        help="draft kills with rank 0 killed, and stopped, during the replacement",
     )
     parser.add_argument("--gap", type=float, default=20.0, help="seconds between kills")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -410,9 +410,23 @@ def test_the_chaos_bench_tells_a_stopped_process_from_an_ended_one():
                 "drafting_s": 16.5,
                 "health_left_serving": True,
             },
+            {
+                "role": "draft+hang-rank0",
+                "at_s": 70.0,
+                "recovered_s": None,
+                "rank0_after_s": 0.3,
+                "serving_s": None,
+                "drafting_s": 30.2,
+                "health_left_serving": True,
+                "stopped_process_ended": False,
+            },
         ],
     }
     text = markdown(report)
+    assert (
+        "| draft+hang-rank0 | 70.0 | not recovered (rank 0 stopped at 0.3; serving at None, "
+        "drafting at 30.2) | True | False |" in text
+    )
     # the compound fault gives both parts of its recovery
     assert (
         "| draft+rank0 | 40.0 | 16.5 (rank 0 killed at 0.4; serving at 9.1, drafting at 16.5) "
