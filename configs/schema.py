@@ -234,7 +234,7 @@ class RecoveryConfig(_Model):
     probe_timeout_s: Float = doc(
         "an actor that does not answer a probe this long is dead (also the longest a gang "
         "restart waits for the draft actor's reset, and a draft replacement for rank 0's "
-        "ping after a failed attach)",
+        "ping after a failed attach, or for a kept draft actor's status)",
         10.0,
     )
     recovery_timeout_s: Float = doc(

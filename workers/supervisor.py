@@ -188,11 +188,11 @@ class EngineSupervisor:
     async def _replace_draft(self) -> None:
         """Replace the draft actor, `restart_attempts` failed tries in a row at most. A
         try attaches the new actor to rank 0: while the ranks are being restarted it
-        waits for them (a rank 0 that dies after the new actor loaded is no failure: the
-        gang restart connects the new ranks to it, EngineGroup.replace_draft), and a try
-        that failed otherwise because a rank died under it is not counted (that death
-        starts a gang restart, then the try is made again), `restart_attempts` such tries
-        at most."""
+        waits for them, and a try that failed because a rank died under it is not
+        counted (that death starts a gang restart, then the try is made again; a new
+        actor that had loaded is kept, and the next try only attaches it or finds the
+        gang restart connected it, EngineGroup.replace_draft), `restart_attempts` such
+        tries at most."""
         self.degraded_since = time.monotonic()
         self.counters["draft_restarts"] += 1
         self._changed()

@@ -470,7 +470,9 @@ def test_a_rank_death_during_a_draft_replacement_is_restarted_without_waiting_fo
         while not all(chunks):
             await asyncio.sleep(0.01)
         ray.kill(group.draft)
-        while not entered.is_set():
+        killed_draft = time.monotonic()
+        while not entered.is_set():  # (a renamed wait message would never set it)
+            assert time.monotonic() - killed_draft < 60, "the replacement's load never began"
             await asyncio.sleep(0.02)
         ray.kill(group.ranks[0])  # while the new draft actor "loads"
         killed = time.monotonic()
