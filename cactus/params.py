@@ -9,6 +9,7 @@ math.isfinite (NaN compares False against every bound).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from cactus.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
@@ -117,13 +118,21 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_token(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _finite_in(name: str, value, low: float, high: float, *, low_open: bool = False) -> None:
-    if not _is_number(value) or not math.isfinite(value):
-        raise _invalid(name, f"must be a finite number, got {value!r}")
+    try:
+        finite = _is_number(value) and math.isfinite(value)
+    except OverflowError:  # an int no float holds (10**400): no number the engine can use
+        finite = False
+    if not finite:
+        raise _invalid(name, f"must be a finite number, got {_short(value)}")
     if value < low or (low_open and value == low) or value > high:
         bracket = "(" if low_open else "["
         raise _invalid(name, f"must lie in {bracket}{low}, {high}], got {value!r}")
@@ -131,6 +140,22 @@ def _finite_in(name: str, value, low: float, high: float, *, low_open: bool = Fa
 
 def _invalid(name: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(name, message)
+
+
+def _short(value) -> str:
+    """repr of a refused value, cut so that a huge int or string cannot swell the error."""
+    if isinstance(value, int) and abs(value) >= 10**30:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _sequence(name: str, value, what: str) -> None:
+    """A field holding several items (a tuple or a list, as the Python API takes them): a
+    bare string would be read item by item (stop="END" as three stop strings), and a
+    bare number has no length."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise _invalid(name, f"must be a sequence of {what}, got {_short(value)}")
 
 
 def too_long(name: str, message: str, context: int) -> InvalidRequestError:
@@ -162,6 +187,7 @@ def validate_request(
 
 def _validate_resume(request: GenerationRequest, limits: Limits) -> None:
     ids = request.resume_token_ids
+    _sequence("resume_token_ids", ids, "token ids")
     if len(ids) >= request.sampling.max_tokens:
         raise _invalid("resume_token_ids", "must be fewer than max_tokens")
     for tok in ids:
@@ -172,6 +198,8 @@ def _validate_resume(request: GenerationRequest, limits: Limits) -> None:
 
 
 def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
+    if request.prompt_token_ids is not None:
+        _sequence("prompt_token_ids", request.prompt_token_ids, "token ids")
     has_text = request.prompt is not None and request.prompt != ""
     has_ids = request.prompt_token_ids is not None and len(request.prompt_token_ids) > 0
     if has_text == has_ids:
@@ -188,8 +216,8 @@ def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
     ids = request.prompt_token_ids
     if len(ids) > limits.max_context - 1:  # at least one token must still fit
         raise too_long("prompt_token_ids", f"{len(ids)} tokens leave no room", limits.max_context)
-    for i, tok in enumerate(ids):
-        if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
+    for i, tok in enumerate(ids):  # numpy's ints too: the engine takes int() of each
+        if not _is_token(tok) or not 0 <= tok < limits.vocab_size:
             raise _invalid(
                 "prompt_token_ids",
                 f"ids must lie in [0, {limits.vocab_size}), got {tok!r} at index {i}",
@@ -217,6 +245,7 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
         raise _invalid("top_k", f"must be -1, 0 (off) or 1..{limits.vocab_size}, got {s.top_k!r}")
     if s.seed is not None and (not _is_int(s.seed) or not 0 <= s.seed <= MAX_SEED):
         raise _invalid("seed", f"must be an integer in [0, 2^64 - 1], got {s.seed!r}")
+    _sequence("stop", s.stop, "strings")
     if len(s.stop) > MAX_STOP_STRINGS:
         raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
     for text in s.stop:
@@ -229,6 +258,7 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
     if s.logprobs is not None and (not _is_int(s.logprobs) or not 0 <= s.logprobs <= MAX_LOGPROBS):
         raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {s.logprobs!r}")
     _validate_logit_bias(s.logit_bias, limits)
+    _sequence("stop_token_ids", s.stop_token_ids, "token ids")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _invalid(
             "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(s.stop_token_ids)}"

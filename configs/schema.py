@@ -10,6 +10,7 @@ Serve LLM's configs are pydantic models too.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -128,7 +129,25 @@ class AuthConfig(_Model):
     )
 
     def resolved_token(self) -> str | None:
-        return self.token or os.environ.get(self.token_env) or None
+        if self.token is not None:
+            return self.token  # checked with the config (check_token)
+        value = os.environ.get(self.token_env) or None
+        if value is not None:
+            check_token(value, f"auth.token_env ({self.token_env})")
+        return value
+
+
+def check_token(token: str, path: str) -> None:
+    """A bearer token a client can send and the server can match: clients send it as gRPC
+    metadata or an HTTP header, which take printable ASCII only, and the server strips
+    what a client sends (so surrounding spaces could never match); "" would turn auth
+    off without a word (null is how a config says no auth)."""
+    _check(
+        bool(token) and token == token.strip() and all(" " <= ch <= "~" for ch in token),
+        path,
+        "must be a non-empty token of printable ASCII without surrounding spaces "
+        "(clients send it as gRPC metadata or an HTTP header); null = no auth",
+    )
 
 
 class LimitsConfig(_Model):
@@ -190,7 +209,15 @@ class LimitsConfig(_Model):
         ceiling = self.request_timeout_s
         if not ceiling:
             return requested
-        return ceiling if requested is None else min(requested, ceiling)
+        if requested is None:
+            return ceiling
+        try:
+            finite = math.isfinite(requested)
+        except (TypeError, OverflowError):
+            finite = False
+        # only a usable limit is capped: infinity, NaN or a huge int goes on to the
+        # validator's refusal naming time_limit_s, whatever the ceiling
+        return min(requested, ceiling) if finite else requested
 
 
 class BatchingConfig(_Model):
@@ -354,6 +381,14 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+# Rank 0 is a threaded actor with a thread per running or waiting request
+# (max_concurrency = 2 x the larger of max_ongoing_requests and max_num_seqs), and Ray
+# takes max_concurrency as a C int: beyond this a replica would fail at start with a
+# traceback, or start thousands of threads, rather than refuse its config.
+MAX_SLOTS = 8192
+MAX_QUEUED = 2**31 - 1  # Serve's queue bound, a C int too
+
+
 def _check(ok: bool, path: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{path}: {message}")
@@ -444,12 +479,19 @@ def validate(c: ServeConfig) -> None:
         "sampling.default_max_tokens",
         "must be null or >= 1",
     )
+    if c.auth.token is not None:
+        check_token(c.auth.token, "auth.token")
     lim = c.limits
-    _check(lim.max_ongoing_requests >= 1, "limits.max_ongoing_requests", "must be >= 1")
     _check(
-        lim.max_queued_requests >= 1,
+        1 <= lim.max_ongoing_requests <= MAX_SLOTS,
+        "limits.max_ongoing_requests",
+        f"must lie in [1, {MAX_SLOTS}] (each request holds a thread of rank 0)",
+    )
+    _check(
+        1 <= lim.max_queued_requests <= MAX_QUEUED,
         "limits.max_queued_requests",
-        "must be >= 1 (the queue is always bounded: beyond it RESOURCE_EXHAUSTED)",
+        f"must lie in [1, {MAX_QUEUED}] (the queue is always bounded: beyond it "
+        "RESOURCE_EXHAUSTED)",
     )
     _check(
         1024 <= lim.max_message_bytes <= GRPC_MAX_MESSAGE_BYTES,
@@ -467,7 +509,11 @@ def validate(c: ServeConfig) -> None:
     _check(lim.request_timeout_s >= 0, "limits.request_timeout_s", "must be >= 0 (0 = no limit)")
     _check(lim.start_timeout_s > 0, "limits.start_timeout_s", "must be > 0")
     b = c.batching
-    _check(b.max_num_seqs >= 1, "batching.max_num_seqs", "must be >= 1")
+    _check(
+        1 <= b.max_num_seqs <= MAX_SLOTS,
+        "batching.max_num_seqs",
+        f"must lie in [1, {MAX_SLOTS}] (each row's request holds a thread of rank 0)",
+    )
     _check(b.max_num_batched_tokens >= 1, "batching.max_num_batched_tokens", "must be >= 1")
     _check(
         b.kv_budget_tokens is None or b.kv_budget_tokens >= 64,

@@ -154,7 +154,7 @@ def tokenize(
     if fit_max_tokens and request.sampling.max_tokens > most:
         request = replace(request, sampling=replace(request.sampling, max_tokens=most))
     validate_request(request, limits)
-    if request.prompt_token_ids:
+    if request.prompt_token_ids is not None and len(request.prompt_token_ids):
         ids = request.prompt_token_ids
     else:
         ids = tokenizer.encode(request.prompt, add_special_tokens=False)

@@ -280,12 +280,18 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise InvalidRequestError(name, "penalties are not supported (use 0)")
-    if body.get("stream") not in (None, True, False):  # "false" must not start a stream
+    if not _bool_or_null(body.get("stream")):  # "false" or 1 must not start a stream
         raise InvalidRequestError("stream", f"must be true or false, got {body['stream']!r}")
     _check_stream_options(body)
 
 
 STREAM_OPTIONS = {"include_usage"}
+
+
+def _bool_or_null(value) -> bool:
+    """A JSON true/false field: only a real boolean (or null, unset). `in (True, False)`
+    would take 1 and 0.0, which equal them in Python."""
+    return value is None or isinstance(value, bool)
 
 
 def _check_stream_options(body: dict) -> None:
@@ -301,7 +307,7 @@ def _check_stream_options(body: dict) -> None:
     for name, value in options.items():
         if name not in STREAM_OPTIONS and value is not None:
             raise InvalidRequestError(f"stream_options.{name}", "unknown field")
-    if options.get("include_usage") not in (None, True, False):
+    if not _bool_or_null(options.get("include_usage")):
         raise InvalidRequestError(
             "stream_options.include_usage",
             f"must be true or false, got {options['include_usage']!r}",
@@ -327,7 +333,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if not chat:
         return _number(body, "logprobs", None, integer=True)
     wanted = body.get("logprobs")
-    if wanted not in (None, True, False):
+    if not _bool_or_null(wanted):
         raise InvalidRequestError("logprobs", "must be true or false")
     top = _number(body, "top_logprobs", None, integer=True)
     if top is not None and not wanted:
@@ -440,8 +446,8 @@ def to_request(
         logit_bias=_logit_bias(body),
     )
     rule = body.get("rule")
-    if rule is None:  # absent or null: unset, like every other field
-        rule = sp.default_rule
+    if rule is None or rule == "":  # absent or null: unset, like every other field; and
+        rule = sp.default_rule  # "" as on gRPC, where proto3 cannot tell it from unset
     if not isinstance(rule, str):
         raise InvalidRequestError("rule", "must be a string")
     divergence = body.get("max_divergence_nats")

@@ -223,10 +223,10 @@ def main(argv=None) -> int:
             overrides["http_port"] = args.http_port
         config = load_config(args.config, overrides or None)
         environment.grpc_message_size(config.limits.max_message_bytes)
+        config = with_resolved_token(config)  # a token_env no client could send: exit 2
     except (ValueError, OSError) as err:  # ConfigError is a ValueError
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    config = with_resolved_token(config)
     other = running_server(pidfile(config.grpc_port))
     if other is not None:
         # its pid file would be overwritten (and removed when this one exits): `make

@@ -690,7 +690,7 @@ class SpeculativeEngine:
         t.batch_sizes[batch] += 1
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids:
+        if request.prompt_token_ids is not None and len(request.prompt_token_ids):
             return [int(t) for t in request.prompt_token_ids]
         ids = self.tokenizer.encode(request.prompt, add_special_tokens=False)
         if not ids:

@@ -81,6 +81,22 @@ BAD = [
     ("num_speculative_tokens", _sp(num_speculative_tokens=9)),
     ("max_divergence_nats", _sp(max_divergence_nats=-1.0)),
     ("max_divergence_nats", _sp(max_divergence_nats=math.inf)),
+    # ints no float holds: refused by name, not an OverflowError from math.isfinite
+    ("temperature", _s(temperature=10**400)),
+    ("top_p", _s(top_p=-(10**400))),
+    ("delta", _sp(delta=10**400)),
+    ("max_divergence_nats", _sp(max_divergence_nats=10**400)),
+    ("tas_threshold", _sp(tas_threshold=10**400)),
+    ("tas_alpha", _sp(tas_alpha=10**400)),
+    ("time_limit_s", replace(GOOD, time_limit_s=10**400)),
+    # a bare string would be read character by character; a bare number has no length
+    ("stop", _s(stop="END")),
+    ("stop", _s(stop=5)),
+    ("stop_token_ids", _s(stop_token_ids=5)),
+    ("prompt_token_ids", replace(GOOD, prompt=None, prompt_token_ids=5)),
+    ("prompt_token_ids", replace(GOOD, prompt=None, prompt_token_ids="12")),
+    ("prompt_token_ids", replace(GOOD, prompt=None, prompt_token_ids=(1, 2.0))),
+    ("resume_token_ids", replace(GOOD, resume_token_ids=7)),
 ]
 
 
@@ -159,6 +175,8 @@ def refused_forms(value) -> set[str]:
     """How a refusal may show the value it refused: itself, or for a sequence its
     length or one of its items (or that item's length)."""
     forms = {repr(value), str(value)}
+    if isinstance(value, int) and abs(value) >= 10**30:  # shown by its size
+        forms = {f"an integer of {value.bit_length()} bits"}
     if isinstance(value, (list, tuple, str)):
         forms.add(str(len(value)))
         if not isinstance(value, str):
@@ -207,3 +225,23 @@ def test_the_readmes_invalid_argument_example_is_the_real_message():
     with pytest.raises(InvalidRequestError) as err:
         validate_request(request, Limits(vocab_size=100, max_context=100), prompt_len=2)
     assert str(err.value) == quoted
+
+
+def test_numpy_token_ids_are_taken_as_the_ints_they_hold():
+    """The Python API takes a numpy array or numpy ints as prompt_token_ids (the engine
+    converts each with int()); a numpy float is still refused by name."""
+    np = pytest.importorskip("numpy")
+    validate_request(replace(GOOD, prompt=None, prompt_token_ids=np.array([1, 2, 3])), LIMITS)
+    validate_request(replace(GOOD, prompt=None, prompt_token_ids=(np.int64(5),)), LIMITS)
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(replace(GOOD, prompt=None, prompt_token_ids=(np.float32(5),)), LIMITS)
+    assert err.value.field == "prompt_token_ids"
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(replace(GOOD, prompt=None, prompt_token_ids=np.array([1, 8192])), LIMITS)
+    assert err.value.field == "prompt_token_ids"
+
+
+def test_a_huge_refused_value_does_not_swell_the_message():
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(_s(temperature=10**400), LIMITS)
+    assert str(err.value) == "temperature: must be a finite number, got an integer of 1329 bits"

@@ -17,6 +17,18 @@ def test_shipped_configs_load(name):
     assert from_dict(to_dict(config)) == config  # round-trips
 
 
+@pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml"])
+def test_the_readme_gives_each_shipped_configs_sampling_defaults(name):
+    """README (`cactus client` leaves unset fields to the server): the temperature it
+    names for each shipped config, and top-p 1 / top-k off in both."""
+    config = load_config(REPO / "configs" / name)
+    text = " ".join((REPO / "README.md").read_text().split())
+    assert f"{config.sampling.default_temperature:g} in `configs/{name}`" in text
+    # no config sets another default: top-p and top-k are the request builders' own
+    assert set(config.sampling.model_dump()) == {"default_temperature", "default_max_tokens"}
+    assert "top-p 1 and top-k off in both" in text
+
+
 def test_default_points_at_the_embedded_models():
     config = load_config(REPO / "configs" / "default.yaml")
     assert Path(config.model_path("verifier")).joinpath("config.json").exists()
@@ -116,6 +128,15 @@ def test_cluster_example_is_multi_node():
         ({"app_name": ""}, "app_name"),
         ({"app_name": " cactus"}, "app_name"),
         ({"limits": {"max_message_bytes": 2**31}}, "limits.max_message_bytes"),
+        # rank 0 holds a thread per request slot (Ray's max_concurrency, a C int)
+        ({"limits": {"max_ongoing_requests": 2**30}}, "limits.max_ongoing_requests"),
+        ({"limits": {"max_queued_requests": 2**31}}, "limits.max_queued_requests"),
+        ({"batching": {"max_num_seqs": 8193}}, "batching.max_num_seqs"),
+        # "" would turn auth off silently; a client strips spaces and sends ASCII only
+        ({"auth": {"token": ""}}, "auth.token"),
+        ({"auth": {"token": " s3cret"}}, "auth.token"),
+        ({"auth": {"token": "s3cret\n"}}, "auth.token"),
+        ({"auth": {"token": "s\u00e9cret"}}, "auth.token"),
     ],
 )
 def test_bad_config_names_the_key_path(raw, path):
@@ -247,6 +268,26 @@ def test_serve_reports_a_bad_config_and_exits_2(tmp_path, text, where):
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith("config error:") and where in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_reports_a_token_no_client_could_send_and_exits_2():
+    """`CACTUS_AUTH_TOKEN` with a trailing newline (`export CACTUS_AUTH_TOKEN=$(cat f)`
+    keeps none, but an env file may): exit 2 naming the variable, before Ray starts."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.serve"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "CACTUS_AUTH_TOKEN": "s3cret\n"},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("config error: auth.token_env (CACTUS_AUTH_TOKEN):"), out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -553,3 +594,18 @@ def test_shipped_configs_compute_with_no_more_threads_than_their_actors_reserve(
     c = load_config(REPO / "configs" / name)
     for actor in (c.resources.draft, c.resources.verifier_rank):
         assert c.resources.threads_per_actor <= max(1, actor.num_cpus), (name, actor)
+
+
+def test_a_token_from_the_environment_is_checked_naming_the_variable(monkeypatch):
+    """The launcher resolves `auth.token_env` once (deployments/serve.py): a token no
+    client could send is a config error naming the variable, not a server nobody can
+    call; an unset or empty variable is no auth, as documented."""
+    config = from_dict({"auth": {"token_env": "CACTUS_TEST_TOKEN"}})
+    monkeypatch.setenv("CACTUS_TEST_TOKEN", "good-token")
+    assert config.auth.resolved_token() == "good-token"
+    monkeypatch.setenv("CACTUS_TEST_TOKEN", "bad token ")
+    with pytest.raises(ConfigError, match=r"^auth.token_env \(CACTUS_TEST_TOKEN\):"):
+        config.auth.resolved_token()
+    monkeypatch.setenv("CACTUS_TEST_TOKEN", "")
+    assert config.auth.resolved_token() is None
+    assert from_dict({"auth": {"token": "x y"}}).auth.resolved_token() == "x y"

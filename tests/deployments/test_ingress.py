@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -216,6 +217,25 @@ def test_the_server_request_timeout_caps_every_time_limit(ray_session):
     msg.time_limit_s = 7.0
     asyncio.run(unlimited.Generate(msg, Ctx()))
     assert engine.seen[-1].time_limit_s == 7.0
+    # a limit no clock reaches is refused by name under a ceiling too, not capped to it
+    for bad in (math.inf, math.nan, -1.0):
+        for server in (shim, unlimited):
+            msg.time_limit_s, ctx, seen = bad, Ctx(), len(engine.seen)
+            asyncio.run(server.Generate(msg, ctx))
+            assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT, (bad, ctx.code)
+            assert "time_limit_s" in ctx.details and len(engine.seen) == seen
+
+
+def test_an_empty_rule_is_the_servers_default_on_both_apis(ray_session):
+    """proto3 cannot tell rule "" from unset, so gRPC takes the server's default; the HTTP
+    API does the same for "" rather than answering 400 "unknown rule ''" (its half is in
+    test_openai_api.py)."""
+    engine = FakeEngine()
+    shim = _shim(engine, speculation={"default_rule": "sps"})
+    msg = CactusClient.request("def f():")
+    msg.speculation.rule = ""
+    asyncio.run(shim.Generate(msg, Ctx()))
+    assert engine.seen[-1].speculation.rule == "sps"
 
 
 def test_a_stream_refused_before_it_runs_cancels_nothing(ray_session):

@@ -101,6 +101,30 @@ def test_the_server_request_timeout_caps_an_http_time_limit(ray_session):
         assert shim.engine.seen[-1].time_limit_s == want, (extra, shim.engine.seen[-1])
     reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "time_limit_s": -1})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "time_limit_s"
+    # Infinity (Python's json writes and reads it) is refused under a ceiling, not capped
+    seen = len(shim.engine.seen)
+    for bad in ("Infinity", "NaN", "1" + "0" * 400):
+        reply = _raw(
+            app,
+            "POST",
+            "/v1/completions",
+            content=b'{"prompt": "x", "time_limit_s": ' + bad.encode() + b"}",
+            headers={"content-type": "application/json"},
+        )
+        assert reply.status_code == 400, (bad, reply.text)
+        assert reply.json()["error"]["param"] == "time_limit_s"
+    assert len(shim.engine.seen) == seen
+
+
+def test_an_empty_rule_is_the_servers_default(ray_session):
+    """As on gRPC, where proto3 cannot tell rule "" from unset (test_ingress.py)."""
+    shim, app = _app(speculation={"default_rule": "sps"})
+    for rule in ("", None):
+        body = {"prompt": "def f():", "max_tokens": 3, "rule": rule}
+        assert _raw(app, "POST", "/v1/completions", json=body).status_code == 200
+        assert shim.engine.seen[-1].speculation.rule == "sps"
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "rule": " "})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "rule"
 
 
 def test_streaming_is_sse_ending_in_done_with_usage_when_asked(ray_session):
@@ -502,6 +526,13 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "logit_bias": {"17": 10**400}}, 400, "logit_bias"),  # beyond a float
         ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),  # past int()'s digits
         ({"prompt": "x", "stream": "false"}, 400, "stream"),  # a string must not stream
+        ({"prompt": "x", "stream": 1}, 400, "stream"),  # nor a number (1 == True in Python)
+        ({"prompt": "x", "stream": 0.0}, 400, "stream"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+            400,
+            "stream_options.include_usage",
+        ),
         ({"prompt": [10**9]}, 400, "prompt"),  # token ids: named as sent, not prompt_token_ids
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "x", "num_speculative_tokens": 0}, 400, "num_speculative_tokens"),
@@ -624,6 +655,7 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event(ray_
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": "yes"}, "logprobs"),
+        ({"logprobs": 1}, "logprobs"),  # true/false only: 1 == True in Python
         # the shared validator checks max_tokens and the prompt; a 400 names what was sent
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
