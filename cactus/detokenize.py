@@ -14,6 +14,14 @@ from __future__ import annotations
 REPLACEMENT = "\ufffd"
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A text prompt's ids, with the special tokens the tokenizer adds by default (a
+    Llama or Mistral checkpoint's BOS), as vLLM's completions API encodes one; both
+    APIs and the in-process engine encode text through this. A chat conversation is
+    not: its template writes its own BOS (deployments/openai_api.py)."""
+    return tokenizer.encode(text)
+
+
 # prompt tokens the first window starts with (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 CONTEXT_TOKENS = 5
 

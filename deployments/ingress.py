@@ -34,6 +34,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
+from cactus.detokenize import encode_prompt
 from cactus.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     InvalidRequestError,
@@ -157,7 +158,7 @@ def tokenize(
     if request.prompt_token_ids is not None and len(request.prompt_token_ids):
         ids = request.prompt_token_ids
     else:
-        ids = tokenizer.encode(request.prompt, add_special_tokens=False)
+        ids = encode_prompt(tokenizer, request.prompt)
         if not ids:
             raise InvalidRequestError("prompt", "encodes to zero tokens")
         if len(ids) > limits.max_context - 1:  # named as sent: a text prompt

@@ -360,18 +360,38 @@ _BYTE_LEVEL = _byte_level_chars()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
 
 
+METASPACE = "\u2581"  # SentencePiece's word-start marker, a space when decoded
+
+
+def _decodes_metaspace(backend) -> bool:
+    """Whether the tokenizer's decoder turns the marker into a space (a Metaspace
+    decoder, or Llama 2's Replace("\u2581", " ") in a Sequence): read from its JSON."""
+    if backend is None:
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder")
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return decoder is not None and METASPACE in json.dumps(decoder, ensure_ascii=False)
+
+
 class TokenText:
     """A token's own bytes, and its text for logprobs. Decoding one token alone gives
     U+FFFD for a token that holds part of a UTF-8 character (byte-level BPE splits
     accented letters, CJK and emoji), so logprobs' `bytes` could not rebuild the
     character, as OpenAI's field is for; the bytes come from the token's vocabulary
     entry instead (byte-level and byte-fallback tokenizers), else from its decoding.
-    Such a token's text is OpenAI's "bytes:\\xNN" form."""
+    Such a token's text is OpenAI's "bytes:\\xNN" form. A SentencePiece-style piece
+    ("\u2581world": Llama 2, Mistral, Gemma) is its text with the marker as a space:
+    decoding it alone strips that space, so the tokens would no longer join into the
+    text, nor completions' text_offset follow it (OpenAI and vLLM give " world")."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.metaspace = _decodes_metaspace(backend)
         # special and added tokens are plain text in the vocabulary, not byte strings
         added = getattr(tokenizer, "get_added_vocab", dict)() or {}
         self.special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(added.values())
@@ -391,6 +411,8 @@ class TokenText:
                     return bytes(_BYTE_LEVEL[c] for c in piece)
                 if match := _BYTE_FALLBACK.fullmatch(piece):
                     return bytes([int(match.group(1), 16)])
+                if self.metaspace and METASPACE in piece:
+                    return piece.replace(METASPACE, " ").encode("utf-8")
         return self.tokenizer.decode([token_id]).encode("utf-8")
 
     def text(self, token_id: int) -> str:
@@ -719,7 +741,11 @@ class Shape:
         return {
             "tokens": [words.text(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [_by_text(e.top, words.text) for e in entries],
+            # the sampled token too, as OpenAI's legacy completions and vLLM give it (up to
+            # logprobs + 1 entries; `logprobs: 0` gives it alone, not {})
+            "top_logprobs": [
+                _by_text((*e.top, (e.token_id, e.logprob)), words.text) for e in entries
+            ],
             "text_offset": offsets,
         }
 

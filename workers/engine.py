@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from cactus.detokenize import encode_prompt
 from cactus.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     InvalidRequestError,
@@ -692,7 +693,7 @@ class SpeculativeEngine:
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None and len(request.prompt_token_ids):
             return [int(t) for t in request.prompt_token_ids]
-        ids = self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        ids = encode_prompt(self.tokenizer, request.prompt)
         if not ids:
             raise InvalidRequestError("prompt", "encodes to zero tokens")
         return ids

@@ -16,6 +16,7 @@ import pytest
 
 from cactus.errors import WorkerUnavailableError
 from cactus.params import GenerationRequest
+from client import CactusClient
 from deployments.ingress import tokenize
 from deployments.openai_api import build_routes
 from tests.deployments.test_ingress import FakeEngine, _shim
@@ -374,6 +375,110 @@ def test_logprobs_carry_the_bytes_of_tokens_that_split_a_character(ray_session):
     code = tok.encode("def f(x):", add_special_tokens=False)
     plain = Shape(False, "m", "r", tok).logprobs([TokenLogprob(t, -1.0) for t in code])
     assert "".join(plain["tokens"]) == "def f(x):"
+
+
+def _sentencepiece_tokenizer():
+    """A tiny Llama-2-style tokenizer: Metaspace pieces ("\u2581world"), byte fallback,
+    and the decoder that strips the leading space of whatever it decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    special = ["<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special)
+    tok.train_from_iterator(["hello world, the world says hello to the whole world"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def test_sentencepiece_tokens_keep_their_leading_space(ray_session):
+    """Decoding "\u2581world" alone gives "world" (Llama 2's and Mistral's decoders strip a
+    leading space), so logprobs' tokens did not join into the text and completions'
+    text_offset fell a character behind per word. Now a piece's text is the piece with
+    its marker as a space, as OpenAI and vLLM give it; the completion's text is the
+    detokenizer's, which keeps the space after the prompt."""
+    from cactus.detokenize import IncrementalDetokenizer
+    from deployments.openai_api import Shape, TokenText
+    from workers.request import TokenLogprob
+
+    tok = _sentencepiece_tokenizer()
+    prompt = tok.encode("the world says", add_special_tokens=False)
+    out = tok.encode("hello to the whole world", add_special_tokens=False)
+    assert tok.decode(out[1:2]) == tok.decode(out[1:2]).lstrip()  # the stripping decoder
+    words = TokenText(tok)
+    assert words.bytes(tok.convert_tokens_to_ids("\u2581world")) == b" world"
+    detok = IncrementalDetokenizer(tok, prompt)
+    text = "".join(detok.add(t) for t in out) + detok.flush()
+    assert text == " hello to the whole world"
+    lp = Shape(False, "m", "r", tok).logprobs([TokenLogprob(t, -1.0) for t in out])
+    assert "".join(lp["tokens"]) == text
+    for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+        assert text[offset:].startswith(token), (token, offset)
+    chat = Shape(True, "m", "r", tok).logprobs([TokenLogprob(t, -1.0) for t in out])["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode() == text
+    # a byte-level tokenizer (the embedded one) is unchanged: no marker in its decoder
+    shim, _ = _app()
+    assert not TokenText(shim.tokenizer).metaspace
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_as_vllm_encodes_it(ray_session):
+    """A Llama or Mistral checkpoint's tokenizer adds BOS to a text prompt; vLLM's
+    completions keep it, and a model fed no BOS gives worse text. Completions and gRPC
+    text prompts now get it; ids are taken as sent; a chat conversation gets the one its
+    template writes, not a second. (The shipped tokenizers add nothing.)"""
+    from tokenizers import processors
+
+    from tests.deployments.test_ingress import Ctx
+
+    shim, app = _app()
+    tok = _sentencepiece_tokenizer()
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tok.chat_template = "<s>{% for m in messages %}{{ m.content }}{% endfor %}"
+    words = tok.encode("hello world", add_special_tokens=False)
+    shim.tokenizer = tok
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].prompt_token_ids == (bos, *words)
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": words, "max_tokens": 2})
+    assert shim.engine.seen[-1].prompt_token_ids == tuple(words)
+    body = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 2}
+    reply = _raw(app, "POST", "/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert shim.engine.seen[-1].prompt_token_ids.count(bos) == 1
+    msg = CactusClient.request("hello world", max_tokens=2)
+    asyncio.run(shim.Generate(msg, Ctx()))
+    assert shim.engine.seen[-1].prompt_token_ids == (bos, *words)
+
+
+def test_completions_top_logprobs_include_the_sampled_token(ray_session):
+    """OpenAI's legacy completions "always return the logprob of the sampled token, so
+    there may be up to logprobs+1 elements" (vLLM too); chat's top_logprobs stay N."""
+    from deployments.openai_api import Shape, token_text
+    from workers.request import TokenLogprob
+
+    shim, _ = _app()
+    tok = shim.tokenizer
+    words = token_text(tok)
+    a, b, c = tok.encode("def f(x):", add_special_tokens=False)[:3]
+    entries = [TokenLogprob(a, -2.0, ((b, -0.1),)), TokenLogprob(c, -0.3, ((c, -0.3),))]
+    top = Shape(False, "m", "r", tok).logprobs(entries)["top_logprobs"]
+    assert top[0] == {words.text(b): -0.1, words.text(a): -2.0}
+    assert top[1] == {words.text(c): -0.3}  # already among the alternatives: once
+    alone = Shape(False, "m", "r", tok).logprobs([TokenLogprob(a, -2.0, ())])
+    assert alone["top_logprobs"] == [{words.text(a): -2.0}]  # logprobs: 0, not [{}]
+    chat = Shape(True, "m", "r", tok).logprobs(entries)["content"]
+    assert [len(e["top_logprobs"]) for e in chat] == [1, 1]
 
 
 def test_openai_fields_sent_with_their_off_value_are_accepted(ray_session):

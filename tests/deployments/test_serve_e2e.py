@@ -1163,14 +1163,16 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
         assert abs(entry.logprob - float(want[pos, tokens[pos]])) < 1e-4
         assert abs(http_lp - entry.logprob) < 1e-9
         # the 3 alternatives: q's 3 largest, best first, each at its q; over HTTP the
-        # same, keyed by their text (the likelier keeps a text two tokens share)
+        # same, keyed by their text (the likelier keeps a text two tokens share), and the
+        # sampled token too (OpenAI's legacy completions and vLLM: up to logprobs + 1)
         top = [(t.token_id, t.logprob) for t in entry.top]
         best = torch.topk(want[pos], 3).values.tolist()
         assert [v for _, v in top] == pytest.approx(best, abs=1e-4), (pos, top)
         assert all(abs(v - float(want[pos, t])) < 1e-4 for t, v in top), (pos, top)
         by_text: dict = {}
-        for t, v in top:
+        for t, v in (*top, (entry.token_id, entry.logprob)):
             by_text.setdefault(words.text(t), v)
+        assert words.text(tokens[pos]) in lp.top_logprobs[pos]
         assert lp.top_logprobs[pos] == pytest.approx(by_text, abs=1e-9), pos
     # each token's own bytes join into the text (a token that splits a character reads
     # bytes:\\xNN), and each offset counts the text's characters before it
