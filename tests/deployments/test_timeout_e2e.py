@@ -240,6 +240,35 @@ def test_a_request_above_the_whole_kv_budget_is_invalid_argument_on_both_apis(ti
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == "max_tokens" and "kv_budget_tokens" in error["message"], error
+    # the code OpenAI clients match to trim a conversation crosses Ray with the error
+    assert error["code"] == "context_length_exceeded", error
+    with httpx2.Client(timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        # a prompt the model's context cannot hold, as OpenAI and vLLM word it
+        reply = http.post(
+            timeout_server.base_url + "/completions",
+            json={"model": "verifier", "prompt": "def f(x): " * 800, "max_tokens": 2},
+        )
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded"), error
+        assert "This model's maximum context length is 1024 tokens" in error["message"]
+        # a body over limits.max_message_bytes (4 MiB): 413 naming `body` through Serve's
+        # own HTTP proxy, declared (Content-Length) or streamed (chunked)
+        big = json.dumps({"model": "verifier", "prompt": "x" * (4 * 2**20)}).encode()
+
+        def chunked():
+            for i in range(0, len(big), 2**16):
+                yield big[i : i + 2**16]
+
+        for content in (big, chunked()):
+            reply = http.post(
+                timeout_server.base_url + "/completions",
+                content=content,
+                headers={"content-type": "application/json"},
+            )
+            assert reply.status_code == 413, reply.text[:500]
+            error = reply.json()["error"]
+            assert error["param"] == "body" and "4194304" in error["message"], error
     served = timeout_server.client(token=TOKEN).generate("x", max_tokens=4, rule="none")
     assert len(served.token_ids) == 4
 

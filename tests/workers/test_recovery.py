@@ -509,3 +509,127 @@ def test_a_rank_death_during_a_draft_replacement_is_restarted_without_waiting_fo
     finally:
         loading.set()
         group.shutdown()
+
+
+def test_a_draft_actor_whose_model_is_gone_is_given_up_on_and_requests_decode_plainly(
+    ray_session, embedded_engine, heldout_prompts, tmp_path
+):
+    """README (the draft actor cannot be replaced): after `recovery.restart_attempts`
+    failed replacements the supervisor gives up; running and new requests go on by
+    plain decoding with their greedy tokens, the server's health ("") stays NOT
+    SERVING (speculating False) while the Cactus service stays SERVING. Here on a real
+    group whose draft folder was removed after the start, so every replacement's
+    from_pretrained fails (the fake-group tests give up on a stand-in)."""
+    import shutil
+
+    verifier, draft = embedded_dirs()
+    moved = tmp_path / "draft"
+    shutil.copytree(draft, moved)
+    group = EngineGroup(
+        GroupConfig(verifier, str(moved), tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
+    ).start()
+    sup = EngineSupervisor(
+        group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5, restart_attempts=2)
+    )
+    _pace(group.ranks[0])
+    (prompt,) = _prompts(embedded_engine, heldout_prompts[2:], 1)
+    reqs = [_req(prompt, "draft-gone", temperature=0.0, max_tokens=600)]
+
+    async def scenario():
+        chunks, tasks, health, stop, poll = _streams_under_watch(sup, reqs)
+        while not all(chunks):
+            await asyncio.sleep(0.01)
+        shutil.rmtree(moved)
+        ray.kill(group.draft)
+        killed = time.monotonic()
+        while not sup.draft_given_up:
+            assert time.monotonic() - killed < 60, ("not given up", sup.counters)
+            assert not all(t.done() for t in tasks), "the stream ended before the give-up"
+            await asyncio.sleep(0.05)
+        given_up_s = time.monotonic() - killed
+        later = []
+        for _ in range(10):  # probes after the give-up do not bring speculation back
+            later.append(sup.speculating())
+            await asyncio.sleep(0.2)
+        after = await sup.agenerate(_req(prompt, "draft-gone-after", temperature=0.0, max_tokens=8))
+        await asyncio.gather(*tasks)
+        stop.set()
+        await poll
+        return chunks, health, given_up_s, later, after
+
+    try:
+        chunks, health, given_up_s, later, after = asyncio.run(scenario())
+        assert not any(later), later
+        assert sup.state == "SERVING" and all(ok for ok, _, _ in health)  # the Cactus service
+        _check_streams(reqs, chunks, embedded_engine)
+        assert chunks[0][-1].result.stats.degraded
+        ref = _uninterrupted(embedded_engine, _req(prompt, "ref", temperature=0.0, max_tokens=8))
+        assert after.token_ids == ref.token_ids and after.stats.num_drafts == 0
+        # one replacement round (of restart_attempts tries), no gang restart
+        assert sup.counters["draft_restarts"] == 1 and sup.counters["rank_restarts"] == 0
+        print(f"draft folder gone: given up after {given_up_s:.1f} s")
+    finally:
+        group.shutdown()
+
+
+def test_a_request_is_resumed_at_most_max_attempts_times_then_fails_unavailable(
+    ray_session, embedded_engine, heldout_prompts
+):
+    """README (`recovery.max_attempts`): one request is resumed after an engine failure
+    at most that many times; the next failure ends it UNAVAILABLE. Rank 0 is killed
+    twice under one stream with max_attempts 1: resumed once, then refused (the
+    fake-group test raises on cue; this is two real deaths and restarts)."""
+    from cactus.errors import WorkerUnavailableError
+
+    verifier, draft = embedded_dirs()
+    group = EngineGroup(
+        GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
+    ).start()
+    sup = EngineSupervisor(
+        group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5, max_attempts=1)
+    )
+    _pace(group.ranks[0], 0.03)
+    (prompt,) = _prompts(embedded_engine, heldout_prompts[4:], 1)
+    req = _req(prompt, "twice", temperature=0.0, max_tokens=600)
+
+    async def restart_under(chunks, task):
+        before = len(chunks)
+        old = group.ranks[0]
+        ray.kill(old)
+        killed = time.monotonic()
+        while sup.state == "SERVING" and time.monotonic() - killed < 30:
+            await asyncio.sleep(0.01)
+        while sup.state != "SERVING" or group.ranks[0] is old:
+            assert time.monotonic() - killed < 60, sup.state
+            await asyncio.sleep(0.02)
+        _pace(group.ranks[0], 0.03)  # the new rank 0 paced too
+        return before
+
+    async def scenario():
+        chunks: list = []
+        task = asyncio.create_task(_collect(sup, req, chunks))
+        while not chunks:
+            await asyncio.sleep(0.01)
+        first_kill_at = await restart_under(chunks, task)
+        while len(chunks) <= first_kill_at + 2:  # the stream goes on after one restart
+            assert not task.done(), "the stream ended before its second failure"
+            await asyncio.sleep(0.02)
+        resumed = sup.counters["resumed"]
+        await restart_under(chunks, task)
+        with pytest.raises(WorkerUnavailableError, match="failed 2 times"):
+            await task
+        late = await sup.agenerate(_req(prompt, "twice-late", temperature=0.0, max_tokens=8))
+        return chunks, resumed, late
+
+    try:
+        chunks, resumed, late = asyncio.run(scenario())
+        assert resumed == 1 and sup.counters["resumed"] == 1
+        assert sup.counters["rank_restarts"] == 2 and sup.state == "SERVING"
+        streamed = [t for c in chunks for t in c.token_ids]
+        want = _uninterrupted(embedded_engine, req).token_ids
+        assert 0 < len(streamed) < len(want) and streamed == list(want[: len(streamed)])
+        assert all(c.result is None for c in chunks)  # it never finished
+        ref = _uninterrupted(embedded_engine, _req(prompt, "ref", temperature=0.0, max_tokens=8))
+        assert late.token_ids == ref.token_ids  # the server serves on
+    finally:
+        group.shutdown()
