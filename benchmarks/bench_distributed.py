@@ -23,6 +23,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from cactus.detokenize import encode_prompt
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 
 RULES = (("sps", 0.0), ("cactus", 1.0))
@@ -206,9 +207,7 @@ def _concurrent(group, local, prompts, args, n: int = 8) -> None:
                     replace(
                         r,
                         prompt=None,
-                        prompt_token_ids=tuple(
-                            local.tokenizer.encode(r.prompt, add_special_tokens=False)
-                        ),
+                        prompt_token_ids=tuple(encode_prompt(local.tokenizer, r.prompt)),
                     )
                     for r in reqs
                 ]

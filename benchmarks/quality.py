@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cactus.detokenize import encode_prompt
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 
 
@@ -179,7 +180,7 @@ def evaluate(
         for method in methods:  # warm-up, not measured
             engine.generate(request(method, tasks[0].prompt, 0, min(8, max_tokens)))
     for i, task in enumerate(tasks):
-        prompt_ids = engine.tokenizer.encode(task.prompt, add_special_tokens=False)
+        prompt_ids = encode_prompt(engine.tokenizer, task.prompt)
         for j in range(len(methods)):
             res = results[(i + j) % len(methods)]
             start = time.perf_counter()

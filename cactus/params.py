@@ -135,7 +135,7 @@ def _finite_in(name: str, value, low: float, high: float, *, low_open: bool = Fa
         raise _invalid(name, f"must be a finite number, got {_short(value)}")
     if value < low or (low_open and value == low) or value > high:
         bracket = "(" if low_open else "["
-        raise _invalid(name, f"must lie in {bracket}{low}, {high}], got {value!r}")
+        raise _invalid(name, f"must lie in {bracket}{low}, {high}], got {_short(value)}")
 
 
 def _invalid(name: str, message: str) -> InvalidRequestError:
@@ -146,7 +146,12 @@ def _short(value) -> str:
     """repr of a refused value, cut so that a huge int or string cannot swell the error."""
     if isinstance(value, int) and abs(value) >= 10**30:
         return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
+    if isinstance(value, tuple) and len(value) == 2:  # a (token id, bias) pair
+        return f"({_short(value[0])}, {_short(value[1])})"
+    try:
+        text = repr(value)
+    except ValueError:  # an int inside, past the 4,300 digits repr() may write
+        return "a value too large to show"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -154,7 +159,11 @@ def _sequence(name: str, value, what: str) -> None:
     """A field holding several items (a tuple or a list, as the Python API takes them): a
     bare string would be read item by item (stop="END" as three stop strings), and a
     bare number has no length."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+    try:
+        sized = not isinstance(value, (str, bytes)) and len(value) >= 0
+    except TypeError:  # no length: a number, or a 0-d numpy array
+        sized = False
+    if not sized:
         raise _invalid(name, f"must be a sequence of {what}, got {_short(value)}")
 
 
@@ -220,13 +229,13 @@ def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
         if not _is_token(tok) or not 0 <= tok < limits.vocab_size:
             raise _invalid(
                 "prompt_token_ids",
-                f"ids must lie in [0, {limits.vocab_size}), got {tok!r} at index {i}",
+                f"ids must lie in [0, {limits.vocab_size}), got {_short(tok)} at index {i}",
             )
 
 
 def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None) -> None:
     if not _is_int(s.max_tokens) or s.max_tokens < 1:
-        raise _invalid("max_tokens", f"must be an integer >= 1, got {s.max_tokens!r}")
+        raise _invalid("max_tokens", f"must be an integer >= 1, got {_short(s.max_tokens)}")
     if prompt_len is not None:
         if prompt_len > limits.max_context - 1:
             raise too_long("prompt", f"{prompt_len} tokens leave no room", limits.max_context)
@@ -238,13 +247,15 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
                 limits.max_context,
             )
     elif s.max_tokens > limits.max_context:
-        raise too_long("max_tokens", f"got {s.max_tokens}", limits.max_context)
+        raise too_long("max_tokens", f"got {_short(s.max_tokens)}", limits.max_context)
     _finite_in("temperature", s.temperature, 0.0, 2.0)
     _finite_in("top_p", s.top_p, 0.0, 1.0, low_open=True)
     if not _is_int(s.top_k) or s.top_k < -1 or s.top_k > limits.vocab_size:
-        raise _invalid("top_k", f"must be -1, 0 (off) or 1..{limits.vocab_size}, got {s.top_k!r}")
+        raise _invalid(
+            "top_k", f"must be -1, 0 (off) or 1..{limits.vocab_size}, got {_short(s.top_k)}"
+        )
     if s.seed is not None and (not _is_int(s.seed) or not 0 <= s.seed <= MAX_SEED):
-        raise _invalid("seed", f"must be an integer in [0, 2^64 - 1], got {s.seed!r}")
+        raise _invalid("seed", f"must be an integer in [0, 2^64 - 1], got {_short(s.seed)}")
     _sequence("stop", s.stop, "strings")
     if len(s.stop) > MAX_STOP_STRINGS:
         raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
@@ -256,7 +267,9 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
                 f"stop strings must be non-empty, <= {MAX_STOP_STRING_CHARS} characters, got {got}",
             )
     if s.logprobs is not None and (not _is_int(s.logprobs) or not 0 <= s.logprobs <= MAX_LOGPROBS):
-        raise _invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {s.logprobs!r}")
+        raise _invalid(
+            "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_short(s.logprobs)}"
+        )
     _validate_logit_bias(s.logit_bias, limits)
     _sequence("stop_token_ids", s.stop_token_ids, "token ids")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -266,7 +279,7 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
     for tok in s.stop_token_ids:
         if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
             raise _invalid(
-                "stop_token_ids", f"ids must lie in [0, {limits.vocab_size}), got {tok!r}"
+                "stop_token_ids", f"ids must lie in [0, {limits.vocab_size}), got {_short(tok)}"
             )
 
 
@@ -278,14 +291,14 @@ def _validate_logit_bias(bias, limits: Limits) -> None:
     seen = set()
     for pair in bias:
         if not isinstance(pair, tuple) or len(pair) != 2:
-            raise _invalid("logit_bias", f"must hold (token id, bias) pairs, got {pair!r}")
+            raise _invalid("logit_bias", f"must hold (token id, bias) pairs, got {_short(pair)}")
         tok, value = pair
         if not _is_int(tok) or not 0 <= tok < limits.vocab_size:
             raise _invalid(
-                "logit_bias", f"token ids must lie in [0, {limits.vocab_size}), got {pair!r}"
+                "logit_bias", f"token ids must lie in [0, {limits.vocab_size}), got {_short(pair)}"
             )
         if tok in seen:
-            raise _invalid("logit_bias", f"token {tok} is given twice, got {pair!r}")
+            raise _invalid("logit_bias", f"token {tok} is given twice, got {_short(pair)}")
         seen.add(tok)
         if (  # the comparison refuses NaN, and an int of any size without overflowing
             isinstance(value, bool)
@@ -295,23 +308,26 @@ def _validate_logit_bias(bias, limits: Limits) -> None:
             raise _invalid(
                 "logit_bias",
                 f"biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
-                f"got {pair!r}",
+                f"got {_short(pair)}",
             )
 
 
 def _validate_speculation(sp: SpeculationParams, limits: Limits) -> None:
     if sp.rule not in RULES:
-        raise _invalid("rule", f"unknown rule {sp.rule!r}; expected one of {', '.join(RULES)}")
+        raise _invalid(
+            "rule", f"unknown rule {_short(sp.rule)}; expected one of {', '.join(RULES)}"
+        )
     if sp.rule not in limits.allowed_rules:
         raise _invalid(
-            "rule", f"{sp.rule!r} is not enabled here; allowed: {', '.join(limits.allowed_rules)}"
+            "rule",
+            f"{_short(sp.rule)} is not enabled here; allowed: {', '.join(limits.allowed_rules)}",
         )
     _finite_in("delta", sp.delta, 0.0, limits.delta_ceiling)
     k = sp.num_speculative_tokens
     if not _is_int(k) or not 1 <= k <= limits.max_num_speculative_tokens:
         raise _invalid(
             "num_speculative_tokens",
-            f"must be an integer in [1, {limits.max_num_speculative_tokens}], got {k!r}",
+            f"must be an integer in [1, {limits.max_num_speculative_tokens}], got {_short(k)}",
         )
     if sp.max_divergence_nats is not None:
         _finite_in("max_divergence_nats", sp.max_divergence_nats, 0.0, math.inf)
@@ -319,7 +335,7 @@ def _validate_speculation(sp: SpeculationParams, limits: Limits) -> None:
             raise _invalid(
                 "max_divergence_nats",
                 "rule 'tas' has no divergence budget (it ignores delta); use cactus or "
-                f"cactus_exact for a ceiling, got {sp.max_divergence_nats!r}",
+                f"cactus_exact for a ceiling, got {_short(sp.max_divergence_nats)}",
             )
     _finite_in("tas_threshold", sp.tas_threshold, 0.0, 1.0, low_open=True)
     if sp.tas_alpha is not None:

@@ -133,11 +133,11 @@ class AuthConfig(_Model):
             return self.token  # checked with the config (check_token)
         value = os.environ.get(self.token_env) or None
         if value is not None:
-            check_token(value, f"auth.token_env ({self.token_env})")
+            check_token(value, f"auth.token_env ({self.token_env})", "unset or empty")
         return value
 
 
-def check_token(token: str, path: str) -> None:
+def check_token(token: str, path: str, off: str = "null") -> None:
     """A bearer token a client can send and the server can match: clients send it as gRPC
     metadata or an HTTP header, which take printable ASCII only, and the server strips
     what a client sends (so surrounding spaces could never match); "" would turn auth
@@ -146,7 +146,7 @@ def check_token(token: str, path: str) -> None:
         bool(token) and token == token.strip() and all(" " <= ch <= "~" for ch in token),
         path,
         "must be a non-empty token of printable ASCII without surrounding spaces "
-        "(clients send it as gRPC metadata or an HTTP header); null = no auth",
+        f"(clients send it as gRPC metadata or an HTTP header); {off} = no auth",
     )
 
 

@@ -271,14 +271,16 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequestError("n", f"must be an integer in [1, {MAX_CHOICES}], got {n!r}")
-    if body.get("best_of") not in (None, 1):
+    best_of = body.get("best_of")
+    if best_of is not None and (type(best_of) is not int or best_of != 1):  # not true, 1.0
         raise InvalidRequestError("best_of", "only best_of = 1 is supported")
     if body.get("echo"):
         raise InvalidRequestError("echo", "echo is not supported")
     if body.get("suffix"):
         raise InvalidRequestError("suffix", "suffix is not supported")
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value not in (0, 0.0)):
             raise InvalidRequestError(name, "penalties are not supported (use 0)")
     if not _bool_or_null(body.get("stream")):  # "false" or 1 must not start a stream
         raise InvalidRequestError("stream", f"must be true or false, got {body['stream']!r}")
@@ -363,16 +365,15 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tok
 METASPACE = "\u2581"  # SentencePiece's word-start marker, a space when decoded
 
 
-def _decodes_metaspace(backend) -> bool:
+def _decodes_metaspace(decoder) -> bool:
     """Whether the tokenizer's decoder turns the marker into a space (a Metaspace
-    decoder, or Llama 2's Replace("\u2581", " ") in a Sequence): read from its JSON."""
-    if backend is None:
-        return False
+    decoder, or Llama 2's Replace("\u2581", " ") in a Sequence): read from the
+    decoder's own JSON state (the whole tokenizer's would hold its vocabulary)."""
     try:
-        decoder = json.loads(backend.to_str()).get("decoder")
+        state = json.loads(decoder.__getstate__())
     except (AttributeError, TypeError, ValueError):
         return False
-    return decoder is not None and METASPACE in json.dumps(decoder, ensure_ascii=False)
+    return METASPACE in json.dumps(state, ensure_ascii=False)
 
 
 class TokenText:
@@ -391,7 +392,7 @@ class TokenText:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         decoder = getattr(backend, "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel"
-        self.metaspace = _decodes_metaspace(backend)
+        self.metaspace = decoder is not None and _decodes_metaspace(decoder)
         # special and added tokens are plain text in the vocabulary, not byte strings
         added = getattr(tokenizer, "get_added_vocab", dict)() or {}
         self.special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(added.values())

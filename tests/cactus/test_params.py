@@ -241,6 +241,28 @@ def test_numpy_token_ids_are_taken_as_the_ints_they_hold():
     assert err.value.field == "prompt_token_ids"
 
 
+@pytest.mark.parametrize(
+    "field, request_",
+    [
+        ("max_tokens", _s(max_tokens=10**5000)),
+        ("top_k", _s(top_k=10**5000)),
+        ("seed", _s(seed=10**5000)),
+        ("logprobs", _s(logprobs=10**5000)),
+        ("stop_token_ids", _s(stop_token_ids=(10**5000,))),
+        ("logit_bias", _s(logit_bias=((5, 10**5000),))),
+        ("logit_bias", _s(logit_bias=((10**5000, 1.0),))),
+        ("num_speculative_tokens", _sp(num_speculative_tokens=10**5000)),
+        ("prompt_token_ids", replace(GOOD, prompt=None, prompt_token_ids=(10**5000,))),
+    ],
+)
+def test_an_int_past_the_digits_python_prints_is_refused_by_name(field, request_):
+    """Python 3.11 refuses to print an int of more than 4,300 digits (ValueError): a
+    refusal that showed it would fail with that instead of naming the field."""
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(request_, LIMITS)
+    assert err.value.field == field and len(str(err.value)) < 200, str(err.value)[:300]
+
+
 def test_a_huge_refused_value_does_not_swell_the_message():
     with pytest.raises(InvalidRequestError) as err:
         validate_request(_s(temperature=10**400), LIMITS)

@@ -604,7 +604,7 @@ def test_a_token_from_the_environment_is_checked_naming_the_variable(monkeypatch
     monkeypatch.setenv("CACTUS_TEST_TOKEN", "good-token")
     assert config.auth.resolved_token() == "good-token"
     monkeypatch.setenv("CACTUS_TEST_TOKEN", "bad token ")
-    with pytest.raises(ConfigError, match=r"^auth.token_env \(CACTUS_TEST_TOKEN\):"):
+    with pytest.raises(ConfigError, match=r"^auth.token_env \(CACTUS_TEST_TOKEN\):.*unset or"):
         config.auth.resolved_token()
     monkeypatch.setenv("CACTUS_TEST_TOKEN", "")
     assert config.auth.resolved_token() is None

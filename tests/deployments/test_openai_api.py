@@ -643,6 +643,8 @@ def test_chat_content_parts_null_assistant_content_and_template_refusals(ray_ses
         ({"prompt": "x", "num_speculative_tokens": 0}, 400, "num_speculative_tokens"),
         ({"prompt": "x", "echo": True}, 400, "echo"),  # README: refused, not ignored
         ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+        ({"prompt": "x", "best_of": True}, 400, "best_of"),  # equal to 1 in Python, no int
+        ({"prompt": "x", "presence_penalty": False}, 400, "presence_penalty"),  # equal to 0
         ({"prompt": "x", "suffix": "}"}, 400, "suffix"),
         ({"prompt": "x", "rule": "tas", "max_divergence_nats": 1.0}, 400, "max_divergence_nats"),
         ({"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),

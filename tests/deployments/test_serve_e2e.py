@@ -24,6 +24,7 @@ import grpc
 import pytest
 import yaml
 
+from cactus.detokenize import encode_prompt
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from client import NO_RETRY, CactusClient, RetryPolicy
 from tests.cactus.test_params import refused_forms
@@ -1143,7 +1144,7 @@ def test_logprobs_over_http_and_grpc_are_the_verifiers_processed_q(
     from tests.workers.test_logprobs import _recomputed_log_q
 
     prompt = heldout_prompts[2]
-    ids = embedded_engine.tokenizer.encode(prompt, add_special_tokens=False)
+    ids = encode_prompt(embedded_engine.tokenizer, prompt)  # as the server encodes it
     kw = {"max_tokens": 12, "temperature": 0.7, "seed": 5}
     client = server.openai()
     http = client.completions.create(

@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 
+from cactus.detokenize import encode_prompt
 from cactus.errors import EngineStartError, StaleBlockError
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
@@ -611,7 +612,7 @@ def _clear_bfloat16_greedy(local, verifier, prompts, margin=0.25):
     for i, prompt in enumerate(prompts):
         req = _req(prompt, f"bf16-{i}", rule="sps", delta=0.0, temperature=0.0)
         want = local.generate(replace(req, request_id=f"bf16-local-{i}"))
-        ids = local.tokenizer.encode(prompt, add_special_tokens=False) + list(want.token_ids)
+        ids = encode_prompt(local.tokenizer, prompt) + list(want.token_ids)
         with torch.inference_mode():
             logits = model(torch.tensor([ids])).logits[0, -len(want.token_ids) - 1 : -1]
         best = logits.float().topk(2).values
