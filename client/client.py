@@ -25,6 +25,7 @@ import random
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass
 
@@ -247,6 +248,16 @@ class _Attempts:
         """Whether enough of the deadline is left to start the next attempt, checked
         again after the pause (a sleep may overrun)."""
         return self.deadline - time.monotonic() >= MIN_RETRY_LEFT_S
+
+
+def _closed_error() -> grpc.RpcError:
+    """What a call of an AsyncCactusClient gets once close() closed its loop's channel."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="the client was closed",
+    )
 
 
 def _cancelled_error() -> grpc.RpcError:
@@ -633,9 +644,15 @@ class AsyncCactusClient(_Client):
     def _connect(self) -> None:
         self._conns: dict = {}  # event loop -> its channel and stubs
         self._conns_lock = threading.Lock()  # loops in several threads
+        self._closed: weakref.WeakSet = weakref.WeakSet()  # loops that called close()
+
+    def _closed_here(self) -> bool:
+        return asyncio.get_running_loop() in self._closed
 
     def _bound(self) -> tuple:
         loop = asyncio.get_running_loop()
+        if loop in self._closed:  # close() is final: no channel is opened again
+            raise _closed_error()
         conn = self._conns.get(loop)
         if conn is None:
             with self._conns_lock:
@@ -674,12 +691,20 @@ class AsyncCactusClient(_Client):
                 )
                 self.last_attempts = attempts.made + 1
                 return reply
+            except asyncio.CancelledError:
+                # grpc.aio cancels a unary call whose channel close() closed: the
+                # caller's task was not cancelled, so it gets the stream's RpcError
+                if self._closed_here():
+                    raise _closed_error() from None
+                raise
             except grpc.RpcError as err:
                 pause = attempts.wait_after(err)
                 self.last_attempts = attempts.made
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
+                if self._closed_here():  # closed during the pause: no further attempt
+                    raise _closed_error() from None
                 if not attempts.time_for_another():  # the pause overran
                     raise
 
@@ -742,16 +767,26 @@ class AsyncCactusClient(_Client):
 
     async def health(self, service: str = "") -> str:
         """The health service's status: a probe, one attempt, never retried."""
-        reply = await self.health_stub.Check(
-            health_pb2.HealthCheckRequest(service=service),
-            timeout=self.timeout,
-            metadata=self.metadata,
-        )
+        try:
+            reply = await self.health_stub.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=self.timeout,
+                metadata=self.metadata,
+            )
+        except asyncio.CancelledError:
+            if self._closed_here():  # its channel was closed under it
+                raise _closed_error() from None
+            raise
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
-        """Close this event loop's channel (one of a loop now gone went with it)."""
+        """Close this event loop's channel, for good (one of a loop now gone went with
+        it): calls in flight on it end with RpcError CANCELLED, a stream or call waiting
+        to retry makes no further attempt, and later calls from this loop raise it at
+        once, as the blocking client's closed channel refuses them."""
+        loop = asyncio.get_running_loop()
         with self._conns_lock:
-            conn = self._conns.pop(asyncio.get_running_loop(), None)
+            self._closed.add(loop)
+            conn = self._conns.pop(loop, None)
         if conn is not None:
             await conn[0].close()

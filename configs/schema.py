@@ -171,8 +171,9 @@ class LimitsConfig(_Model):
         None,
     )
     max_message_bytes: Int = doc(
-        "gRPC receive limit and HTTP body limit (above it: RESOURCE_EXHAUSTED, HTTP 413), "
-        "sized to the longest prompt",
+        "gRPC message limit, both ways, and HTTP body limit (above it: RESOURCE_EXHAUSTED, "
+        "HTTP 413), sized to the longest prompt; a unary Generate reply above it (tens of "
+        "thousands of tokens with logprobs 20) is RESOURCE_EXHAUSTED too: stream those",
         4 << 20,
     )
     request_timeout_s: Float = doc(

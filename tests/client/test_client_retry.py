@@ -789,3 +789,55 @@ def test_a_large_multiplier_backs_off_at_most_max_backoff():
         assert all(0 <= policy.backoff(r, rng) <= policy.max_backoff_s for r in range(70))
     still = RetryPolicy(initial_backoff_s=0.0, max_backoff_s=0.0, multiplier=1e10)
     assert still.backoff(63, rng) == 0.0
+
+
+class _LongestPause(random.Random):
+    """The jitter's longest draw, so a retry's pause lasts the whole backoff."""
+
+    def uniform(self, a, b):
+        return b
+
+
+def test_closing_the_async_client_ends_its_calls_for_good(flaky):
+    """`await close()` is final for its loop: a unary call or a stream waiting to retry
+    makes no further attempt (it reopened a channel that nothing closed), a call in
+    flight ends with RpcError CANCELLED (grpc.aio raised CancelledError for a unary call,
+    as if the caller's own task had been cancelled), and a later call raises the same at
+    once; nothing reaches the server after the close."""
+    servicer, address = flaky
+    slow = RetryPolicy(max_attempts=3, initial_backoff_s=1.0, max_backoff_s=1.0)
+
+    async def closed_during(call, *, in_flight: bool):
+        aclient = AsyncCactusClient(address, retry=slow, timeout=20)
+        aclient._rng = _LongestPause()
+        servicer.calls, servicer.failures = 0, 1
+        servicer.fail_after_s = 1.0 if in_flight else 0.0
+        task = asyncio.create_task(call(aclient))
+        await asyncio.sleep(0.3)  # the first attempt is in flight, or failed and pausing
+        assert servicer.calls == 1 and not task.done()
+        await aclient.close()
+        with pytest.raises(grpc.RpcError) as err:
+            await asyncio.wait_for(task, 5)
+        await asyncio.sleep(1.2)  # past the pause: no second attempt was made
+        assert servicer.calls == 1 and not aclient._conns
+        with pytest.raises(grpc.RpcError) as later:
+            await aclient.generate("x")
+        assert later.value.code() == grpc.StatusCode.CANCELLED and servicer.calls == 1
+        return err.value
+
+    async def unary(aclient):
+        return await aclient.generate("x")
+
+    async def stream(aclient):
+        return [c async for c in aclient.stream("x")]
+
+    async def health(aclient):
+        return await aclient.health()
+
+    async def run():
+        errors = [await closed_during(c, in_flight=False) for c in (unary, stream)]
+        errors += [await closed_during(c, in_flight=True) for c in (unary, health)]
+        return errors
+
+    for error in asyncio.run(run()):
+        assert error.code() == grpc.StatusCode.CANCELLED, error
