@@ -816,6 +816,33 @@ def test_a_unary_call_past_its_deadline_frees_its_request(server, long_prompt):
     _assert_stopped_early(server, before)
 
 
+def test_cactus_client_json_is_what_cactus_generate_json_prints(server, capsys):
+    """README: `cactus client --json` prints the same JSON object as `cactus generate
+    --json` (with --stream after the text, gathered over the stream), less
+    `divergence_capped` and the engine-only timings. The real commands: `generate` runs
+    its own in-process engine, `client` asks this server; greedy, so both give the
+    verifier's tokens (the unit test in tests/client compares with a stand-in server)."""
+    from client.cli import main
+
+    flags = ["--prompt", "def add(a, b):", "--max-tokens", "12", "--temperature", "0"]
+    flags += ["--rule", "sps", "--seed", "7", "--json"]
+    assert main(["generate", *flags]) == 0
+    local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ("divergence_capped", "draft_s", "verify_s", "kernel_s"):
+        del local["stats"][name]  # not in the gRPC API (README)
+    remote = ["client", "--address", server.address, "--token", TOKEN, *flags]
+    for stream in ([], ["--stream"]):
+        assert main([*remote, *stream]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        got = json.loads(lines[-1])
+        if stream:
+            assert lines[:-1] and "\n".join(lines[:-1]) == got["text"]
+        assert got.keys() == local.keys() and got["stats"].keys() == local["stats"].keys()
+        for name in ("text", "token_ids", "finish_reason", "seed", "usage"):
+            assert got[name] == local[name], (name, got[name], local[name])
+        assert got["request_id"] and got["stats"]["num_draft_tokens"] > 0
+
+
 def test_openai_http_api_matches_the_grpc_api(server, embedded_engine, heldout_prompts):
     """The official openai client against the HTTP port of the same server: the same
     seeded request gives the same tokens as over gRPC, streamed or not; greedy equals
