@@ -884,7 +884,10 @@ async def sse_events(
             if reason is not None:
                 on_end(reason)
         on_error()
-        yield _sse(stream_error(as_openai_error(err, request.request_id, sent)))
+        error = as_openai_error(err, request.request_id, sent)
+        if error.status >= 500 and error.status != 503:  # as `fail` logs one before headers
+            logger.error("request %s failed mid-stream", request.request_id, exc_info=unwrap(err))
+        yield _sse(stream_error(error))
         if last:
             yield _sse("[DONE]")
     finally:

@@ -755,6 +755,21 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_an_error_event(ray_
     assert error["type"] == "server_error" and error["code"] == 503, error
 
 
+def test_a_stream_that_fails_in_our_code_after_its_headers_is_logged(ray_session, caplog):
+    """The client gets "internal error (request X)" as an event; an operator handed X
+    finds its traceback in the replica's log, as for a failure before the headers (and
+    as the gRPC path logs it). A 503 (a restart) is no bug: not logged."""
+    _, app = _app(FakeEngine(fail=RuntimeError("a bug")))
+    with caplog.at_level(logging.ERROR):
+        reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x", "stream": True})
+    events = [ln[len("data: ") :] for ln in reply.text.splitlines() if ln.startswith("data: ")]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and "internal error (request " in error["message"]
+    rid = error["message"].rsplit("request ", 1)[1].rstrip(")")
+    logged = [r for r in caplog.records if rid in r.getMessage() and r.exc_info]
+    assert logged and "a bug" in str(logged[0].exc_info[1]), caplog.text
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [
@@ -1585,3 +1600,19 @@ def test_a_choice_that_fails_before_its_first_chunk_after_the_stream_began(ray_s
     assert events[0]["choices"][0]["index"] == 0 and events[-1]["error"]["code"] == 503
     assert sorted(failures) == [("-0", "CANCELLED"), ("-1", "ERROR")]
     assert shim.metrics._running == 0
+
+
+def test_the_readme_lists_every_finish_reason_a_metric_label_takes():
+    """`cactus_request_success{finished_reason}` carries the gRPC API's reasons: the
+    README lists each with the OpenAI value a vLLM dashboard filters on (FINISH)."""
+    import re
+    from pathlib import Path
+
+    from deployments.openai_api import FINISH
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    listed = re.search(r"`finished_reason` is the gRPC API's own, in capitals: ([A-Z_, ]+),", text)
+    assert listed, "the README's finished_reason sentence moved"
+    assert set(listed.group(1).split(", ")) == set(FINISH)
+    assert {FINISH[r] for r in ("EOS", "STOP", "STOP_SEQUENCE")} == {"stop"}
+    assert FINISH["LENGTH"] == FINISH["TIME_LIMIT"] == "length" and FINISH["ABORT"] == "abort"
