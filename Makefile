@@ -24,8 +24,9 @@ setup: $(STAMP) protos
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_OUT := $(PROTO_SRC:.proto=_pb2.py) $(PROTO_SRC:.proto=_pb2_grpc.py) $(PROTO_SRC:.proto=_pb2.pyi)
 protos: $(PROTO_OUT)
-# one protoc run writes all three: a missing stub or .pyi (deleted by hand) rebuilds them
-protos/%_pb2.py protos/%_pb2_grpc.py protos/%_pb2.pyi &: protos/%.proto $(STAMP)
+# one protoc run writes all three (a pattern rule's targets are made by one run of its
+# recipe, in every GNU make): a missing stub or .pyi (deleted by hand) rebuilds them
+protos/%_pb2.py protos/%_pb2_grpc.py protos/%_pb2.pyi: protos/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 # The stamp is keyed on the pinned requirements: a second run skips the install,

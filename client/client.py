@@ -649,6 +649,13 @@ class AsyncCactusClient(_Client):
     def _closed_here(self) -> bool:
         return asyncio.get_running_loop() in self._closed
 
+    def _closed_under(self) -> bool:
+        """A CancelledError came from close() closing the call's channel, not from the
+        caller's own task being cancelled (whose cancellation must stay one: asyncio
+        timeouts and task groups rely on it), as `_read` tells them apart."""
+        task = asyncio.current_task()
+        return self._closed_here() and task is not None and not task.cancelling()
+
     def _bound(self) -> tuple:
         loop = asyncio.get_running_loop()
         if loop in self._closed:  # close() is final: no channel is opened again
@@ -694,7 +701,7 @@ class AsyncCactusClient(_Client):
             except asyncio.CancelledError:
                 # grpc.aio cancels a unary call whose channel close() closed: the
                 # caller's task was not cancelled, so it gets the stream's RpcError
-                if self._closed_here():
+                if self._closed_under():
                     raise _closed_error() from None
                 raise
             except grpc.RpcError as err:
@@ -774,16 +781,17 @@ class AsyncCactusClient(_Client):
                 metadata=self.metadata,
             )
         except asyncio.CancelledError:
-            if self._closed_here():  # its channel was closed under it
+            if self._closed_under():  # its channel was closed under it
                 raise _closed_error() from None
             raise
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
         """Close this event loop's channel, for good (one of a loop now gone went with
-        it): calls in flight on it end with RpcError CANCELLED, a stream or call waiting
-        to retry makes no further attempt, and later calls from this loop raise it at
-        once, as the blocking client's closed channel refuses them."""
+        it): calls in flight on it end with RpcError CANCELLED (a task cancelled
+        meanwhile stays cancelled), a stream or call waiting to retry makes no further
+        attempt, and later calls from this loop raise CANCELLED "the client was closed"
+        at once, as the blocking client's closed channel refuses them."""
         loop = asyncio.get_running_loop()
         with self._conns_lock:
             self._closed.add(loop)

@@ -834,10 +834,25 @@ def test_closing_the_async_client_ends_its_calls_for_good(flaky):
     async def health(aclient):
         return await aclient.health()
 
+    async def cancelled_and_closed():
+        """The caller cancels its task as the client closes (a shutdown): the task ends
+        cancelled, not with an RpcError (asyncio.timeout and task groups count on it)."""
+        aclient = AsyncCactusClient(address, retry=slow, timeout=20)
+        servicer.calls, servicer.failures, servicer.fail_after_s = 0, 1, 1.0
+        task = asyncio.create_task(aclient.generate("x"))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await aclient.close()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return task.cancelled()
+
     async def run():
         errors = [await closed_during(c, in_flight=False) for c in (unary, stream)]
         errors += [await closed_during(c, in_flight=True) for c in (unary, health)]
-        return errors
+        return errors, await cancelled_and_closed()
 
-    for error in asyncio.run(run()):
+    errors, cancelled = asyncio.run(run())
+    for error in errors:
         assert error.code() == grpc.StatusCode.CANCELLED, error
+    assert cancelled

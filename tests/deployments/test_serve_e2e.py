@@ -825,18 +825,19 @@ def test_cactus_client_json_is_what_cactus_generate_json_prints(server, capsys):
     from client.cli import main
 
     flags = ["--prompt", "def add(a, b):", "--max-tokens", "12", "--temperature", "0"]
-    flags += ["--rule", "sps", "--seed", "7", "--json"]
-    assert main(["generate", *flags]) == 0
+    flags += ["--rule", "sps", "--seed", "7", "-K", "4", "--json"]
+    verifier, draft = embedded_dirs()  # the server's pair, and its fixed K schedule
+    own = ["--verifier", verifier, "--draft", draft, "--policy", "fixed"]
+    assert main(["generate", *flags, *own]) == 0
     local = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name in ("divergence_capped", "draft_s", "verify_s", "kernel_s"):
         del local["stats"][name]  # not in the gRPC API (README)
     remote = ["client", "--address", server.address, "--token", TOKEN, *flags]
     for stream in ([], ["--stream"]):
         assert main([*remote, *stream]) == 0
-        lines = capsys.readouterr().out.splitlines()
-        got = json.loads(lines[-1])
-        if stream:
-            assert lines[:-1] and "\n".join(lines[:-1]) == got["text"]
+        printed, _, last = capsys.readouterr().out.rstrip("\n").rpartition("\n")
+        got = json.loads(last)  # one line: JSON escapes the text's line breaks
+        assert printed == (got["text"] if stream else "")  # the streamed text, then a newline
         assert got.keys() == local.keys() and got["stats"].keys() == local["stats"].keys()
         for name in ("text", "token_ids", "finish_reason", "seed", "usage"):
             assert got[name] == local[name], (name, got[name], local[name])
