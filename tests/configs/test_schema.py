@@ -445,8 +445,19 @@ def test_the_readmes_cluster_steps_fit_the_cluster_example():
     assert (
         units and int(units.group(1)) == replicas * config.resources.draft.resources["draft_node"]
     )
-    gpus = config.tp_size * config.resources.verifier_rank.num_gpus
-    assert f"{gpus:g} GPUs per replica" in readme
+    rank, draft = config.resources.verifier_rank, config.resources.draft
+    text = " ".join(readme.split())
+    assert (
+        f"{config.tp_size * rank.num_gpus:g} GPUs and {config.tp_size * rank.num_cpus:g} CPUs "
+        "per replica" in text
+    )
+    need = f"{draft.num_gpus:g} GPU, {draft.num_cpus:g} CPUs and 1 `draft_node` per replica"
+    assert need in text and draft.resources["draft_node"] == 1
+    total = (
+        f"({replicas * draft.num_gpus:g} GPUs, {replicas * draft.num_cpus:g} CPUs and "
+        f"{replicas} `draft_node` for `max_replicas` {replicas}"
+    )
+    assert total in text, total
     # a GPU config bounds its KV cache (null: max_num_seqs x a 40,960-token context)
     for name in ("default", "cluster"):
         c = load_config(REPO / "configs" / f"{name}.yaml")
