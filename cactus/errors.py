@@ -41,6 +41,15 @@ class WorkerUnavailableError(CactusError):
     """A draft actor or verifier rank is down or draining."""
 
 
+class RequestAttemptsExhaustedError(CactusError):
+    """The engine failed under this request on every attempt `recovery.max_attempts`
+    allows. Not UNAVAILABLE, which clients retry: a request that brings the engine down
+    would bring it down again, once per retry, for every other request on the replica.
+    gRPC INTERNAL with this message (gRPC's guidance: UNAVAILABLE only for a call the
+    client can simply retry); HTTP 500 with `x-should-retry: false`, which OpenAI's
+    clients honour (they retry a 500 otherwise)."""
+
+
 class ServerShuttingDownError(WorkerUnavailableError):
     """The replica is being stopped and the request was still running when its drain
     time was up (deployments/drain.py). The message says so; clients retry elsewhere.

@@ -236,18 +236,43 @@ class _Attempts:
             return None
         if _too_large(err):  # RESOURCE_EXHAUSTED that a retry cannot cure
             return None
+        pushback = _pushback_s(err)
+        if pushback is not None and pushback < 0:  # the server says: do not retry this
+            return None
         # full jitter, then shortened to end 2 x MIN_RETRY_LEFT_S before the deadline (a
         # long draw no longer ends the call with its deadline and attempts to spare; the
         # margin keeps a sleep's overrun from costing the attempt it waited for)
         room = self.deadline - time.monotonic() - 2 * MIN_RETRY_LEFT_S
         if room < 0:
             return None
+        if pushback is not None:  # the server's own delay replaces the backoff (gRFC A6)
+            return min(pushback, room)
         return min(self.policy.backoff(self.made - 1, self.rng), room)
 
     def time_for_another(self) -> bool:
         """Whether enough of the deadline is left to start the next attempt, checked
         again after the pause (a sleep may overrun)."""
         return self.deadline - time.monotonic() >= MIN_RETRY_LEFT_S
+
+
+def _pushback_s(err: grpc.RpcError) -> float | None:
+    """The server's retry pushback (gRFC A6's `grpc-retry-pushback-ms` trailer) in
+    seconds: None when absent; negative (do not retry) when negative or unreadable, as
+    gRPC's own retry policy reads it. The server sends -1 for a request that failed the
+    engine every time it ran (recovery.max_attempts)."""
+    trailers = getattr(err, "trailing_metadata", None)
+    try:
+        pairs = list(trailers() or ()) if callable(trailers) else []
+    except Exception:  # no trailers to read (an error raised before the call)
+        return None
+    for key, value in pairs:
+        if key == "grpc-retry-pushback-ms":
+            try:
+                ms = int(value)
+            except (TypeError, ValueError):
+                return -1.0
+            return ms / 1000.0 if ms >= 0 else -1.0
+    return None
 
 
 def _closed_error() -> grpc.RpcError:

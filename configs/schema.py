@@ -250,7 +250,9 @@ class BatchingConfig(_Model):
 
 class RecoveryConfig(_Model):
     max_attempts: Int = doc(
-        "times one request is resumed on a rebuilt engine before it fails UNAVAILABLE", 3
+        "times one request is resumed on a rebuilt engine before it fails INTERNAL (not "
+        "UNAVAILABLE: clients would retry a request that may be what brings the engine down)",
+        3,
     )
     restart_attempts: Int = doc(
         "gang restarts of the verifier ranks (and replacements of the draft actor) tried in "

@@ -38,6 +38,7 @@ from cactus.detokenize import encode_prompt
 from cactus.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     InvalidRequestError,
+    RequestAttemptsExhaustedError,
     ServerShuttingDownError,
     is_unavailable,
     unwrap,
@@ -388,6 +389,9 @@ class CactusIngress:
             code, details = grpc.StatusCode.INVALID_ARGUMENT, str(err)
         elif isinstance(err, ServerShuttingDownError):
             code, details = grpc.StatusCode.UNAVAILABLE, str(err)
+        elif isinstance(err, RequestAttemptsExhaustedError):  # INTERNAL: not to be retried
+            logger.error("%s", err)
+            code, details = grpc.StatusCode.INTERNAL, str(err)
         elif is_unavailable(err):  # cactus.errors decides, for every layer
             code, details = grpc.StatusCode.UNAVAILABLE, "engine unavailable; retry later"
         else:  # a bug: log it here, tell the client only that it happened

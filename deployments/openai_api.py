@@ -40,7 +40,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cactus.errors import InvalidRequestError, ServerShuttingDownError, is_unavailable, unwrap
+from cactus.errors import (
+    InvalidRequestError,
+    RequestAttemptsExhaustedError,
+    ServerShuttingDownError,
+    is_unavailable,
+    unwrap,
+)
 from cactus.params import (
     MAX_LOGPROBS,
     GenerationRequest,
@@ -153,12 +159,15 @@ class Counted:
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code=None, retry=True
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = int(status), message, param, code
+        self.retry = retry  # False: `x-should-retry: false`, which OpenAI's clients honour
 
     def __reduce__(self):  # picklable like every error that may cross a Ray boundary
-        return (type(self), (self.status, self.message, self.param, self.code))
+        return (type(self), (self.status, self.message, self.param, self.code, self.retry))
 
     def body(self) -> dict:
         return {
@@ -188,6 +197,8 @@ def as_openai_error(err: BaseException, request_id: str = "", sent=None) -> Open
         return OpenAIError(status, getattr(err, "details", str(err)))
     if isinstance(err, ServerShuttingDownError):
         return OpenAIError(503, str(err))
+    if isinstance(err, RequestAttemptsExhaustedError):  # a 500 not to be retried
+        return OpenAIError(500, str(err), retry=False)
     if is_unavailable(err):
         return OpenAIError(503, "engine unavailable; retry later")
     return OpenAIError(500, f"internal error (request {request_id})")
@@ -1062,6 +1073,8 @@ def build_routes(ingress, tokenize, logger):
         # take over from): say when to retry, as Serve's own 429 does
         retry = error.status in (429, 503)
         headers = {"Retry-After": RETRY_AFTER} if retry else None
+        if not error.retry:  # a request that failed the engine every time it ran
+            headers = {"x-should-retry": "false"}
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)

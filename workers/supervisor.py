@@ -14,8 +14,10 @@ engine actor dies, and no streamed token is lost.
   rebuilt engine from the tokens it already sent (prompt + those tokens, same
   parameters, a fresh seed for what follows), so the client sees a pause, not an error;
   a unary request runs again from the start with the same seed. Requests that arrive
-  meanwhile wait for the engine within their deadline. Only when recovery fails, or a
-  request ran out of attempts, does it end, with WorkerUnavailableError (UNAVAILABLE).
+  meanwhile wait for the engine within their deadline. Only when recovery fails does it
+  end, with WorkerUnavailableError (UNAVAILABLE), or when it ran out of attempts, with
+  RequestAttemptsExhaustedError (INTERNAL, which clients do not retry: the request may be
+  what brings the engine down).
   A stream whose result was sent is never resumed (its client has all of it), and a
   cancelled request (a drain's cut included) is never started again.
 - A draft actor that cannot be replaced in `restart_attempts` tries in a row is given
@@ -46,6 +48,7 @@ from dataclasses import dataclass, replace
 
 from cactus.errors import (
     InvalidRequestError,
+    RequestAttemptsExhaustedError,
     RequestCancelledError,
     ServerShuttingDownError,
     WorkerUnavailableError,
@@ -63,7 +66,7 @@ SERVING, RECOVERING, FAILED = "SERVING", "RECOVERING", "FAILED"
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    max_attempts: int = 3  # resumptions of one request before it fails UNAVAILABLE
+    max_attempts: int = 3  # resumptions of one request before it fails (INTERNAL)
     restart_attempts: int = 3  # gang restarts tried in a row before giving up
     check_period_s: float = 0.5  # how often the actors are probed
     probe_timeout_s: float = 10.0  # an actor that does not answer a probe is dead
@@ -496,8 +499,10 @@ class EngineSupervisor:
             raise err
         self.engine_failed(generation, f"{type(unwrap(err)).__name__} in {request.request_id}")
         if attempt + 1 > self.config.max_attempts:
-            raise WorkerUnavailableError(
-                f"request {request.request_id}: the engine failed {attempt + 1} times"
+            raise RequestAttemptsExhaustedError(
+                f"request {request.request_id}: the engine failed {attempt + 1} times while "
+                f"running it (recovery.max_attempts = {self.config.max_attempts}); not "
+                "retried: it may be what brings the engine down"
             ) from None
         self.counters["resumed"] += 1
         return attempt + 1

@@ -34,6 +34,7 @@ class Flaky(pb_grpc.CactusServicer):
         self.limits: list[float] = []  # each call's time_limit_s, as received
         self.remaining: list[float] = []  # each call's gRPC deadline, seconds left at arrival
         self.fail_after_s = 0.0  # a failing call answers after this long
+        self.pushback: str | None = None  # grpc-retry-pushback-ms on a failure
         self.lock = threading.Lock()
 
     def _maybe_fail(self, context, request=None) -> None:
@@ -45,6 +46,8 @@ class Flaky(pb_grpc.CactusServicer):
             failing = self.calls <= self.failures
         if failing:
             time.sleep(self.fail_after_s)
+            if self.pushback is not None:
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", self.pushback),))
             context.abort(self.code, "try again")
 
     def Generate(self, request, context):
@@ -856,3 +859,38 @@ def test_closing_the_async_client_ends_its_calls_for_good(flaky):
     for error in errors:
         assert error.code() == grpc.StatusCode.CANCELLED, error
     assert cancelled
+
+
+def test_both_clients_honour_the_servers_retry_pushback(flaky):
+    """gRFC A6's `grpc-retry-pushback-ms` trailer: negative (the server's answer for a
+    request that failed the engine on every attempt) means do not retry, in both
+    clients, unary and stream; a non-negative one replaces the backoff."""
+    servicer, address = flaky
+    servicer.failures, servicer.pushback = 2, "-1"
+    client = CactusClient(address, retry=FAST, timeout=10)
+    for call in (lambda: client.generate("x"), lambda: list(client.stream("x"))):
+        servicer.calls = 0
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and servicer.calls == 1
+
+    async def run():
+        aclient = AsyncCactusClient(address, retry=FAST, timeout=10)
+        codes = []
+        for call in (lambda: aclient.generate("x"), lambda: _drain(aclient.stream("x"))):
+            servicer.calls = 0
+            with pytest.raises(grpc.RpcError) as err:
+                await call()
+            codes.append((err.value.code(), servicer.calls))
+        await aclient.close()
+        return codes
+
+    async def _drain(stream):
+        return [c async for c in stream]
+
+    assert asyncio.run(run()) == [(grpc.StatusCode.UNAVAILABLE, 1)] * 2
+    # 300 ms: longer than FAST's backoff (at most 50 ms), so the wait is the server's
+    servicer.calls, servicer.failures, servicer.pushback = 0, 1, "300"
+    start = time.monotonic()
+    assert client.generate("x").text == "ok" and servicer.calls == 2
+    assert time.monotonic() - start >= 0.28

@@ -740,3 +740,27 @@ def test_a_request_id_too_long_or_with_a_control_character_is_invalid_argument(r
     ok = CactusClient.request("x", request_id="y" * MAX_REQUEST_ID_CHARS)
     reply = asyncio.run(shim.Generate(ok, Ctx()))
     assert reply.text == "abc" and engine.seen[-1].request_id == "y" * MAX_REQUEST_ID_CHARS
+
+
+def test_a_request_that_failed_the_engine_every_time_is_internal_not_unavailable(
+    ray_session,
+):
+    """README (recovery.max_attempts): INTERNAL with its own message, not UNAVAILABLE,
+    which both clients (and gRPC's retry policies) retry: the request may be what brings
+    the engine down. Any other engine failure stays a plain, retried UNAVAILABLE."""
+    from cactus.errors import RequestAttemptsExhaustedError
+
+    why = "request r: the engine failed 4 times while running it; not retried"
+    for stream in (False, True):
+        ctx = Ctx()
+        shim = _shim(FakeEngine(fail=RequestAttemptsExhaustedError(why)))
+        msg = CactusClient.request("def f():")
+        if stream:  # a streaming method raises for Serve to send the status it set
+            with pytest.raises(RequestError):
+                asyncio.run(_collect(shim.GenerateStream(msg, ctx)))
+        else:
+            asyncio.run(shim.Generate(msg, ctx))
+        assert ctx.code == grpc.StatusCode.INTERNAL and ctx.details == why
+    ctx = Ctx()
+    asyncio.run(_shim(FakeEngine(fail=WorkerUnavailableError("down"))).Generate(msg, ctx))
+    assert ctx.code == grpc.StatusCode.UNAVAILABLE

@@ -1616,3 +1616,20 @@ def test_the_readme_lists_every_finish_reason_a_metric_label_takes():
     assert set(listed.group(1).split(", ")) == set(FINISH)
     assert {FINISH[r] for r in ("EOS", "STOP", "STOP_SEQUENCE")} == {"stop"}
     assert FINISH["LENGTH"] == FINISH["TIME_LIMIT"] == "length" and FINISH["ABORT"] == "abort"
+
+
+def test_a_request_that_failed_the_engine_every_time_is_a_500_not_to_be_retried(ray_session):
+    """OpenAI's clients retry a 500, twice by default, unless the answer carries
+    `x-should-retry: false`: a request that brought the engine down on every attempt
+    would bring it down again. An unavailable engine stays a 503 with Retry-After."""
+    from cactus.errors import RequestAttemptsExhaustedError
+
+    why = "request r: the engine failed 4 times while running it; not retried"
+    _, app = _app(FakeEngine(fail=RequestAttemptsExhaustedError(why)))
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x"})
+    assert reply.status_code == 500 and reply.json()["error"]["message"] == why
+    assert reply.headers["x-should-retry"] == "false" and "retry-after" not in reply.headers
+    _, app = _app(FakeEngine(fail=WorkerUnavailableError("down")))
+    reply = _raw(app, "POST", "/v1/completions", json={"prompt": "x"})
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+    assert "x-should-retry" not in reply.headers

@@ -579,7 +579,7 @@ def test_a_request_is_resumed_at_most_max_attempts_times_then_fails_unavailable(
     at most that many times; the next failure ends it UNAVAILABLE. Rank 0 is killed
     twice under one stream with max_attempts 1: resumed once, then refused (the
     fake-group test raises on cue; this is two real deaths and restarts)."""
-    from cactus.errors import WorkerUnavailableError
+    from cactus.errors import RequestAttemptsExhaustedError
 
     verifier, draft = embedded_dirs()
     group = EngineGroup(
@@ -616,7 +616,7 @@ def test_a_request_is_resumed_at_most_max_attempts_times_then_fails_unavailable(
             await asyncio.sleep(0.02)
         resumed = sup.counters["resumed"]
         await restart_under(chunks, task)
-        with pytest.raises(WorkerUnavailableError, match="failed 2 times"):
+        with pytest.raises(RequestAttemptsExhaustedError, match="failed 2 times"):
             await task
         late = await sup.agenerate(_req(prompt, "twice-late", temperature=0.0, max_tokens=8))
         return chunks, resumed, late

@@ -1,6 +1,6 @@
 """The recovery limits the README promises, on a group whose ranks fail on cue (the
 real kills are in test_recovery.py and test_serve_e2e.py): a request that runs out of
-`recovery.max_attempts` ends UNAVAILABLE; a request that arrives during a restart waits
+`recovery.max_attempts` ends INTERNAL (not retried); a request that arrives during a restart waits
 at most `recovery.recovery_timeout_s`; after `recovery.restart_attempts` failed gang
 restarts the replica reports itself unhealthy, so Serve replaces it."""
 
@@ -11,7 +11,12 @@ import time
 
 import pytest
 
-from cactus.errors import EngineFailedError, InvalidRequestError, WorkerUnavailableError
+from cactus.errors import (
+    EngineFailedError,
+    InvalidRequestError,
+    RequestAttemptsExhaustedError,
+    WorkerUnavailableError,
+)
 from cactus.params import GenerationRequest, SamplingParams, SpeculationParams
 from workers.request import GenerationResult, SpecStats
 from workers.supervisor import EngineSupervisor, RecoveryConfig
@@ -70,21 +75,21 @@ def _config(**kw) -> RecoveryConfig:
     return RecoveryConfig(check_period_s=0.05, probe_timeout_s=1.0, **kw)
 
 
-def test_a_request_that_runs_out_of_attempts_ends_unavailable():
+def test_a_request_that_runs_out_of_attempts_ends_internal():
     async def run(fail: int):
         group = FlakyGroup(fail=fail)
         sup = EngineSupervisor(group, _config(max_attempts=2))
         try:
             return await sup.agenerate(_req(f"r{fail}")), group.calls
-        except WorkerUnavailableError as err:
+        except RequestAttemptsExhaustedError as err:
             return err, group.calls
 
     # two failures: resumed twice, then served
     result, calls = asyncio.run(run(fail=2))
     assert result.text == "ok" and result.stats.resumed == 2 and calls == 3
-    # three failures: the first try and max_attempts = 2 more, then UNAVAILABLE
+    # three failures: the first try and max_attempts = 2 more, then INTERNAL
     err, calls = asyncio.run(run(fail=3))
-    assert isinstance(err, WorkerUnavailableError) and "failed 3 times" in str(err)
+    assert isinstance(err, RequestAttemptsExhaustedError) and "failed 3 times" in str(err)
     assert calls == 3
 
 
