@@ -572,11 +572,12 @@ def test_a_draft_actor_whose_model_is_gone_is_given_up_on_and_requests_decode_pl
         group.shutdown()
 
 
-def test_a_request_is_resumed_at_most_max_attempts_times_then_fails_unavailable(
+def test_a_request_is_resumed_at_most_max_attempts_times_then_fails_not_to_be_retried(
     ray_session, embedded_engine, heldout_prompts
 ):
     """README (`recovery.max_attempts`): one request is resumed after an engine failure
-    at most that many times; the next failure ends it UNAVAILABLE. Rank 0 is killed
+    at most that many times; the next failure ends it with RequestAttemptsExhaustedError
+    (INTERNAL on the wire, which clients do not retry). Rank 0 is killed
     twice under one stream with max_attempts 1: resumed once, then refused (the
     fake-group test raises on cue; this is two real deaths and restarts)."""
     from cactus.errors import RequestAttemptsExhaustedError
