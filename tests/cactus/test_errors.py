@@ -37,12 +37,14 @@ def _instances() -> dict[str, BaseException]:
         errors.EngineFailedError("rank 1 died"),
         errors.EngineStartError("the draft actor did not load within ..."),
         errors.ServerShuttingDownError("the server is shutting down"),
+        errors.RequestAttemptsExhaustedError("request r: the engine failed 4 times"),
         errors.ModelOutputError("the verifier's logits for this request were not finite"),
         EngineLoopStopped("shut down"),
         _RowFailure(grpc.StatusCode.FAILED_PRECONDITION, "stale"),
         CapacityError("no row"),
         RequestError(grpc.StatusCode.INVALID_ARGUMENT, "top_p: must lie in (0, 1]"),
         OpenAIError(400, "max_tokens: too many", param="max_tokens", code="bad"),
+        OpenAIError(500, "the engine failed 4 times", retry=False),
         ConfigError("batching.kv_budget_tokens: must be null or >= 64"),
     ]
     return {f"{type(e).__module__}.{type(e).__qualname__}": e for e in made}
