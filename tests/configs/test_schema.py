@@ -11,6 +11,26 @@ from configs.schema import ConfigError, from_dict, load_config, to_dict
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _serve_refused(*args: str, env: dict | None = None, timeout: int = 120):
+    """`python -m deployments.serve ARGS` (what `make serve` runs) with `env` added to
+    this environment, expected to refuse to start: exit 2, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    return out
+
+
 @pytest.mark.parametrize("name", ["default.yaml", "cluster.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(REPO / "configs" / name)
@@ -254,60 +274,27 @@ def test_a_file_that_is_not_a_mapping_is_a_config_error_with_or_without_override
 def test_serve_reports_a_bad_config_and_exits_2(tmp_path, text, where):
     """`make serve CONFIG=bad.yaml`: one line naming what is wrong, exit status 2, no
     traceback, before anything starts."""
-    import subprocess
-    import sys
 
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    out = subprocess.run(
-        [sys.executable, "-m", "deployments.serve", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
+    out = _serve_refused("--config", str(path))
     assert out.stderr.startswith("config error:") and where in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
 
 
 def test_serve_reports_a_token_no_client_could_send_and_exits_2():
     """`CACTUS_AUTH_TOKEN` with a trailing newline (`export CACTUS_AUTH_TOKEN=$(cat f)`
     keeps none, but an env file may): exit 2 naming the variable, before Ray starts."""
-    import os
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "deployments.serve"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "CACTUS_AUTH_TOKEN": "s3cret\n"},
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
+    out = _serve_refused(env={"CACTUS_AUTH_TOKEN": "s3cret\n"})
     assert out.stderr.startswith("config error: auth.token_env (CACTUS_AUTH_TOKEN):"), out.stderr
-    assert "Traceback" not in out.stderr
 
 
 def test_serve_with_num_cpus_says_it_cannot_join_a_cluster_with_them(tmp_path):
     """Ray refuses num_cpus when ray.init joins a cluster: the launcher says what to do
     instead (exit 2, no traceback) rather than pass Ray's ValueError on. Ray checks this
     before it dials the address, so no cluster has to run at 127.0.0.1:1."""
-    import os
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "deployments.serve", "--num-cpus", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
+    out = _serve_refused("--num-cpus", "1", env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert "config error: --num-cpus" in out.stderr and "RAY_ADDRESS=local" in out.stderr
     assert "127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
 
@@ -388,22 +375,10 @@ def test_serve_refuses_a_grpc_message_size_exported_unlike_the_config():
     """Serve's gRPC proxies read RAY_SERVE_GRPC_MAX_MESSAGE_SIZE: exported with a value
     other than `limits.max_message_bytes`, one of the two would be ignored, so the
     launcher says so (exit 2, both named) before anything starts."""
-    import os
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "deployments.serve"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "1000"},
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
+    out = _serve_refused(env={"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "1000"})
     assert out.stderr.startswith("config error: limits.max_message_bytes is 4194304"), out.stderr
     assert "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE is exported as '1000'" in out.stderr
-    assert "Traceback" not in out.stderr
 
 
 def test_the_grpc_message_size_variable_follows_the_config(monkeypatch):
@@ -492,23 +467,14 @@ def test_serve_refuses_model_folders_that_are_not_there_on_its_own_head(tmp_path
     """On a Ray head the launcher starts, every actor runs on this machine: a model
     folder that is not here is a config error naming it (exit 2), not a replica that
     fails later with transformers' offline "couldn't connect to huggingface.co"."""
-    import os
-    import subprocess
-    import sys
 
     import yaml
 
     path = tmp_path / "missing.yaml"
     path.write_text(yaml.safe_dump({"models": {"verifier": str(tmp_path / "nope")}}))
-    out = subprocess.run(
-        [sys.executable, "-m", "deployments.serve", "--config", str(path), "--num-cpus", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env={**os.environ, "RAY_ADDRESS": "local"},
+    out = _serve_refused(
+        "--config", str(path), "--num-cpus", "2", timeout=300, env={"RAY_ADDRESS": "local"}
     )
-    assert out.returncode == 2, out.stderr[-2000:]
     assert f"models.verifier: no such folder: {tmp_path / 'nope'}" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "READY" not in out.stdout
 
@@ -540,19 +506,10 @@ def test_serve_refuses_port_0_naming_the_field(flag, field, capsys):
 def test_serve_says_when_no_ray_cluster_answers_at_ray_address():
     """RAY_ADDRESS naming a cluster that does not answer: one line saying so and what to
     do (exit 2), not ray.init dialling it for minutes."""
-    import os
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "deployments.serve"],
-        capture_output=True,
-        text=True,
-        timeout=120,  # it used to dial for minutes, printing GCS timeouts
-        cwd=REPO,
-        env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"},
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
+    out = _serve_refused(
+        env={"RAY_ADDRESS": "127.0.0.1:1"}
+    )  # it used to dial for minutes, printing GCS timeouts
     assert "config error: RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers" in out.stderr, out.stderr
     assert "RAY_ADDRESS=local" in out.stderr and "Traceback" not in out.stderr
 
