@@ -297,15 +297,21 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
 PROBE_S = 2.0  # the hung-actor tests' probe timeout
 
 
-def _probed_group(tp_size: int):
-    """A started group and its supervisor, probing every 0.2 s with a PROBE_S timeout."""
-    verifier, draft = embedded_dirs()
+def _probed_group(tp_size: int, *, draft: str | None = None, **recovery):
+    """A started group of the embedded pair (`draft`: another draft folder) and its
+    supervisor, probing every 0.2 s with a PROBE_S timeout unless `recovery` says."""
+    verifier, embedded_draft = embedded_dirs()
     group = EngineGroup(
-        GroupConfig(verifier, draft, tp_size=tp_size, rpc_timeout_s=5, speculation_policy="fixed")
+        GroupConfig(
+            verifier,
+            draft or embedded_draft,
+            tp_size=tp_size,
+            rpc_timeout_s=5,
+            speculation_policy="fixed",
+        )
     ).start()
-    return group, EngineSupervisor(
-        group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=PROBE_S)
-    )
+    config = {"check_period_s": 0.2, "probe_timeout_s": PROBE_S, **recovery}
+    return group, EngineSupervisor(group, RecoveryConfig(**config))
 
 
 def test_a_hung_follower_rank_restarts_the_group_and_the_stream_resumes(
@@ -522,15 +528,9 @@ def test_a_draft_actor_whose_model_is_gone_is_given_up_on_and_requests_decode_pl
     from_pretrained fails (the fake-group tests give up on a stand-in)."""
     import shutil
 
-    verifier, draft = embedded_dirs()
     moved = tmp_path / "draft"
-    shutil.copytree(draft, moved)
-    group = EngineGroup(
-        GroupConfig(verifier, str(moved), tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
-    ).start()
-    sup = EngineSupervisor(
-        group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5, restart_attempts=2)
-    )
+    shutil.copytree(embedded_dirs()[1], moved)
+    group, sup = _probed_group(1, draft=str(moved), probe_timeout_s=5, restart_attempts=2)
     _pace(group.ranks[0])
     (prompt,) = _prompts(embedded_engine, heldout_prompts[2:], 1)
     reqs = [_req(prompt, "draft-gone", temperature=0.0, max_tokens=600)]
@@ -582,13 +582,7 @@ def test_a_request_is_resumed_at_most_max_attempts_times_then_fails_not_to_be_re
     fake-group test raises on cue; this is two real deaths and restarts)."""
     from cactus.errors import RequestAttemptsExhaustedError
 
-    verifier, draft = embedded_dirs()
-    group = EngineGroup(
-        GroupConfig(verifier, draft, tp_size=1, rpc_timeout_s=5, speculation_policy="fixed")
-    ).start()
-    sup = EngineSupervisor(
-        group, RecoveryConfig(check_period_s=0.2, probe_timeout_s=5, max_attempts=1)
-    )
+    group, sup = _probed_group(1, probe_timeout_s=5, max_attempts=1)
     _pace(group.ranks[0], 0.03)
     (prompt,) = _prompts(embedded_engine, heldout_prompts[4:], 1)
     req = _req(prompt, "twice", temperature=0.0, max_tokens=600)
