@@ -277,22 +277,14 @@ def _pushback_s(err: grpc.RpcError) -> float | None:
 
 def _closed_error() -> grpc.RpcError:
     """What a call of an AsyncCactusClient gets once close() closed its loop's channel."""
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.CANCELLED,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details="the client was closed",
-    )
+    return _cancelled_error("the client was closed")
 
 
-def _cancelled_error() -> grpc.RpcError:
+def _cancelled_error(details: str = "Locally cancelled by application!") -> grpc.RpcError:
     """The RpcError a stream cancelled through `last_call.cancel()` raises (the same
     status and details as grpc's own)."""
     return grpc.aio.AioRpcError(
-        grpc.StatusCode.CANCELLED,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details="Locally cancelled by application!",
+        grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details
     )
 
 
@@ -372,12 +364,7 @@ async def _read(call):
         task = asyncio.current_task()
         own = task is None or task.cancelling()
         if call.cancelled() and not own:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.CANCELLED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details="Locally cancelled by application!",
-            ) from None
+            raise _cancelled_error() from None
         raise
 
 
