@@ -77,6 +77,7 @@ bench-policy: setup
 # On a GPU machine (never run on the CPU CI): the CUDA tests (engine, Triton vs torch at
 # V = 151,936, a TP = 1 group on one GPU), then the in-process batch sweep on CUDA.
 gpu-check: setup
+	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device (its tests would all be skipped)')"
 	$(PY) -m pytest -m gpu tests/workers/test_cuda.py
 	$(PY) -m benchmarks.bench_batch --device cuda --quick
 	$(PY) -m benchmarks.bench_batch --device cuda --quick --pair qwen3

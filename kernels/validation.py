@@ -61,7 +61,8 @@ def check_values(
     target_probs: torch.Tensor,
     vocab: int,
 ) -> None:
-    """The scans over [B, K, V]: finite, non-negative probabilities; ids in [0, V).
+    """The scans over [B, K, V]: finite, non-negative probabilities, every target row
+    with mass; ids in [0, V).
 
     One reduction pass per tensor (min and max; NaN propagates into both), and the
     elementwise checks only to word the error once something is wrong.
@@ -75,6 +76,10 @@ def check_values(
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name}: contains NaN or inf")
         raise ValueError(f"{name}: contains negative probabilities")
+    if target_probs.numel() and not bool(target_probs.sum(-1).amin() > 0):
+        # every rule samples from q (or its residual, whose fallback is q): a row with no
+        # mass would emit token 0, which q gives probability 0
+        raise ValueError("target_probs: a row has no probability mass (all zeros)")
     if draft_token_ids.numel() and not bool(
         ((draft_token_ids >= 0) & (draft_token_ids < vocab)).all()
     ):

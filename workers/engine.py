@@ -343,7 +343,7 @@ class SpeculativeEngine:
             [(s.id, blocks[s.id].token_ids if s.id in blocks else ()) for s in running]
         )
         t2 = time.perf_counter()
-        result, target, finite = self._accept(running, ks, blocks, logits)  # accept
+        result, target, finite, verified = self._accept(running, ks, blocks, logits)  # accept
         outputs = result.output_token_ids.tolist()  # (on CUDA: waits for the kernel)
         finite = finite.tolist()
         accepted = result.num_accepted.tolist()
@@ -368,14 +368,6 @@ class SpeculativeEngine:
                 continue
             tokens = outputs[i][: accepted[i] + 1]
             self._commit(state, ks[i], blocks.get(state.id), accepted[i], tokens[-1])
-            if ks[i]:
-                was_capped = state.stats.divergence_capped
-                state.count(ks[i], accepted[i], divergence[i], capped[i])
-                if state.stats.divergence_capped and not was_capped:
-                    # from now on it verifies with delta = 0 and the policy files it
-                    # under its rule's delta-0 group (_policy_row): its own counts so
-                    # far were at its delta, no longer its acceptance
-                    self.policy.forget(state.id)
             if state.drafting:
                 state.undrafted = 0 if ks[i] else state.undrafted + 1
             st = state.stats
@@ -384,7 +376,10 @@ class SpeculativeEngine:
                 st.verify_s + t2 - t1,
                 st.kernel_s + t3 - t2,
             )
-            emitted.append(state.emit(tokens, logprobs.get(i)))
+            taken = state.emit(tokens, logprobs.get(i))
+            emitted.append(taken)
+            if ks[i]:
+                self._count(state, ks[i], accepted[i], divergence[i], capped[i], taken, i, verified)
         for state, tokens in zip(running, emitted, strict=True):  # emit
             if tokens is None:  # ended above
                 continue
@@ -410,6 +405,22 @@ class SpeculativeEngine:
             sum(a + 1 for a in accepted),
         )
         return sum(k + 1 for k in ks), timed
+
+    def _count(self, state, k, accepted, divergence, capped, taken, i, verified) -> None:
+        """Row i's speculation statistics, over the positions whose token is emitted
+        (acceptance.md): a block cut by EOS, a stop id or a stop string counts only the
+        drafted tokens before the cut, and its divergence is the kernel's over those
+        positions alone (`_Verified.prefix`)."""
+        n = len(taken)
+        if n < min(accepted + 1, k):  # the kernel summed verified positions n..
+            divergence, capped = verified.prefix(i, n)
+        was_capped = state.stats.divergence_capped
+        state.count(k, min(accepted, n), divergence, capped)
+        if state.stats.divergence_capped and not was_capped:
+            # from now on it verifies with delta = 0 and the policy files it under its
+            # rule's delta-0 group (_policy_row): its own counts so far were at its
+            # delta, no longer its acceptance
+            self.policy.forget(state.id)
 
     def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:
         return PolicyRow(
@@ -513,7 +524,7 @@ class SpeculativeEngine:
         # no value scans: the rows' finiteness is checked above (verifier) and by the
         # drafters (in-process and on the wire), a row at a time
         accepted = ragged_accept(draft_ids, draft_probs, target, metadata, validate=False)
-        return accepted, target, finite
+        return accepted, target, finite, _Verified(draft_ids, draft_probs, target, metadata)
 
     def _commit(self, state, k: int, block, accepted: int, token: int) -> None:
         cap = state.draft_max_context
@@ -521,7 +532,7 @@ class SpeculativeEngine:
             # the draft model's context is full: it could draft no more for this row, so
             # its draft session goes now (not a failure: plain decoding by design)
             state.drafting = False
-            self.drafter.release(state.id)
+            self._release_draft(state)
         if state.drafting:
             epoch = block.epoch if k else state.committed
             try:
@@ -633,20 +644,23 @@ class SpeculativeEngine:
         )
         state.drafting = False
         state.stats.draft_failures += 1
-        self.drafter.release(state.id)
+        self._release_draft(state)
+
+    def _release_draft(self, state: RequestState) -> None:
+        """Free the request's draft row. A drafter's error costs drafts, never requests:
+        it must not end the step's rows (nor, from `_close`, skip the verifier's row,
+        which would stay reserved while admission planned around it for good)."""
+        try:
+            self.drafter.release(state.id)
+        except Exception:
+            log.exception("the drafter could not release request %s's row", state.id)
 
     def _close(self, state: RequestState) -> None:
         """Free the request's rows on both sides and forget it."""
         self.scheduler.remove(state)
         if self._live.get(state.id) is state:
             del self._live[state.id]
-        try:
-            self.drafter.release(state.id)
-        except Exception:
-            # a drafter's error costs drafts, never requests: it must not skip the
-            # verifier's row (the scheduler no longer counts it: it would stay reserved
-            # and admission plan around it for good) nor end the step's other rows
-            log.exception("the drafter could not release request %s's row", state.id)
+        self._release_draft(state)
         try:
             self.verifier.release(state.id)
         finally:
@@ -713,7 +727,8 @@ def _logprobs(running, ks, outputs, accepted, target) -> dict[int, list[TokenLog
             log_q = torch.nan_to_num(log_q, neginf=LOGPROB_FLOOR)
             chosen = log_q[torch.arange(len(taken)), torch.tensor(taken)].tolist()
             if n_top:
-                values, ids = torch.topk(log_q, n_top, dim=-1)
+                # (a vocabulary smaller than N has that many alternatives at most)
+                values, ids = torch.topk(log_q, min(n_top, log_q.shape[-1]), dim=-1)
                 tops = [
                     tuple(zip(r, v, strict=True))
                     for r, v in zip(ids.tolist(), values.tolist(), strict=True)
@@ -725,6 +740,40 @@ def _logprobs(running, ks, outputs, accepted, target) -> dict[int, list[TokenLog
             ]
         offset += ks[i] + 1
     return out
+
+
+class _Verified(NamedTuple):
+    """One step's acceptance inputs (the flattened tensors and their metadata)."""
+
+    draft_ids: torch.Tensor  # [sum K_i]
+    draft_probs: torch.Tensor  # [sum K_i, V]
+    target: torch.Tensor  # [sum (K_i + 1), V]
+    metadata: RaggedMetadata
+
+    def prefix(self, i: int, n: int) -> tuple[float, bool]:
+        """(divergence, budget reached) of row i's first n verified positions, all of
+        them accepted: the kernel's own result had the row drafted only those n tokens
+        (the same uniforms, delta and budget decide each position alike), so the sums
+        agree with the full call's, position by position."""
+        m = self.metadata
+        start = sum(m.num_draft_tokens[:i])
+        one = RaggedMetadata(
+            num_draft_tokens=(n,),
+            rules=(m.rules[i],),
+            delta=m.delta[i : i + 1],
+            tas_threshold=(m.tas_threshold[i],),
+            tas_alpha=(m.alpha(i),),
+            divergence_budget=m.divergence_budget[i : i + 1],
+            uniforms=m.uniforms[i : i + 1, : n + 1],
+        )
+        result = ragged_accept(
+            self.draft_ids[start : start + n],
+            self.draft_probs[start : start + n],
+            self.target[start + i : start + i + n + 1],
+            one,
+            validate=False,
+        )
+        return float(result.divergence_nats[0]), bool(result.budget_exhausted[0])
 
 
 def _group(state: RequestState) -> tuple[str, float, float]:

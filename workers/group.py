@@ -505,6 +505,20 @@ class EngineGroup:
                 ray.kill(actor)
         kill_processes(where, timeout_s=self.config.rpc_timeout_s)
 
+    def abandon_draft(self) -> None:
+        """The supervisor gave up replacing the draft actor: one that loaded but that
+        rank 0 never attached (kept for an owed attach) is ended. Left, it held its
+        bundle (on a shared GPU, memory beside the ranks) and answered the draft probe,
+        and the next gang restart connected the new rank 0 to it: drafting again while
+        the replica reported no speculation for good (the README's promise: an actor
+        rank 0 could not attach is ended)."""
+        with self._restarting:
+            if self.draft is None or self._draft_user == self.rank_generation:
+                return  # none, or the one rank 0 drafts with (a dead one is found so)
+            gone, self.draft = self.draft, None
+            self._attach_owed = False
+            self._end([gone], self._processes.pop("draft", []))
+
     def restart_ranks(self) -> bool:
         """Gang restart: every rank is killed and started again in the same bundle (a
         broken TP group cannot take a new member); the draft actor drops the old

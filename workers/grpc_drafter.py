@@ -284,8 +284,10 @@ class GrpcDrafter:
         idle = [
             r
             for r, s in self._sessions.items()
-            # a session whose Open has not answered has no lease on the draft side yet
-            if s.opening is None and now - s.last_sent >= self._touch_after_s
+            # a session whose Open has not answered has no lease on the draft side yet;
+            # one whose Open answered but no call has named since (a long prompt still
+            # prefilling on this side) has one, and needs the touch
+            if now - s.last_sent >= self._touch_after_s and self._open_now(s)
         ]
         if not idle:
             return

@@ -236,6 +236,10 @@ class EngineSupervisor:
                 # each try starts an actor process and loads the draft model: no endless
                 # round of them; requests decode without drafts (the degraded mode)
                 self.draft_given_up = True
+                try:  # a loaded actor rank 0 never attached goes too
+                    await asyncio.to_thread(self.group.abandon_draft)
+                except Exception:
+                    logger.exception("ending the unattached draft actor failed")
                 logger.error(
                     "the draft actor could not be replaced in %d attempts: requests go on "
                     "without speculation for the rest of this replica's life",

@@ -230,7 +230,8 @@ def test_the_readmes_invalid_argument_example_is_the_real_message():
 def test_numpy_token_ids_are_taken_as_the_ints_they_hold():
     """The Python API takes a numpy array or numpy ints as prompt_token_ids (the engine
     converts each with int()); a numpy float is still refused by name."""
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     validate_request(replace(GOOD, prompt=None, prompt_token_ids=np.array([1, 2, 3])), LIMITS)
     validate_request(replace(GOOD, prompt=None, prompt_token_ids=(np.int64(5),)), LIMITS)
     with pytest.raises(InvalidRequestError) as err:

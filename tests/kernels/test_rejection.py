@@ -63,6 +63,27 @@ def test_fast_path_matches_reference(rule, seed):
     torch.testing.assert_close(fast.divergence_nats, div, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("rule", ["sps", "cactus"])
+def test_a_real_vocabulary_size_matches_the_reference(rule):
+    """The torch path streams a rejected row's residual in chunks of
+    RESIDUAL_CHUNK_BLOCKS sampling blocks (16,384 tokens): only vocabularies beyond that
+    (40,000 here, with a partial last chunk) take the chunked pass, which the shapes
+    above never reach on the CPU."""
+    from kernels.rejection import RESIDUAL_CHUNK_BLOCKS
+    from kernels.sampling import SAMPLE_BLOCK
+
+    vocab = 40_000
+    assert vocab > RESIDUAL_CHUNK_BLOCKS * SAMPLE_BLOCK and vocab % SAMPLE_BLOCK
+    ids, draft, target, uniforms = random_case(77, batch=3, k=3, vocab=vocab)
+    delta = torch.tensor([0.0, 0.5, 3.0], dtype=torch.float64)
+    fast = speculative_accept(ids, draft, target, rule=rule, delta=delta, uniforms=uniforms)
+    out, num, div = reference_accept(ids, draft, target, rule=rule, delta=delta, uniforms=uniforms)
+    assert bool((num < 3).any())  # a rejection: a residual was sampled
+    assert torch.equal(fast.output_token_ids, out)
+    assert torch.equal(fast.num_accepted, num)
+    torch.testing.assert_close(fast.divergence_nats, div, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("delta", [0.0, 0.3, 5.0])
 def test_edge_rows_match_reference(rule, delta):
@@ -287,6 +308,9 @@ BAD_INPUTS = [
     ("draft_probs", {"draft_probs": _bad(_D, (0, 1, 2), math.nan)}),
     ("target_probs", {"target_probs": _bad(_T, (1, 3, 0), math.inf)}),
     ("target_probs", {"target_probs": _bad(_T, (1, 0, 0), -0.1)}),
+    # a q row with no mass: every rule would emit token 0, which q rules out
+    ("target_probs", {"target_probs": _T.index_fill(1, torch.tensor([1]), 0.0)}),
+    ("target_probs", {"target_probs": _T.index_fill(1, torch.tensor([3]), 0.0)}),
     ("delta", {"delta": -0.1}),
     ("delta", {"delta": math.nan}),
     ("delta", {"delta": math.inf}),

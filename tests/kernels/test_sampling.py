@@ -62,7 +62,7 @@ def test_processed_probs_all_rows_top_k_take_the_topk_path():
 
 
 def test_processed_probs_scalar_parameters_and_no_truncation():
-    logits = torch.randn(4, 10)
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(65))
     torch.testing.assert_close(processed_probs(logits), torch.softmax(logits, -1))
     greedy = processed_probs(logits, temperature=0.0)
     assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and torch.equal(
@@ -71,7 +71,7 @@ def test_processed_probs_scalar_parameters_and_no_truncation():
 
 
 def test_seeded_rows_are_independent_of_the_batch():
-    probs = torch.softmax(torch.randn(5, 300), -1)
+    probs = torch.softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(74)), -1)
     alone = sample(probs[2:3], [torch.Generator().manual_seed(42)])
     gens = [torch.Generator().manual_seed(s) for s in (1, 2, 42, 3, 4)]
     batched = sample(probs, gens)

@@ -807,3 +807,115 @@ def test_a_failed_steps_decode_record_is_never_counted_as_the_next_steps():
     engine.last_step = StepRecord(rules=["sps"], ks=[2], accepted=[1], predicted=[2.0])
     metrics.record(engine, 1)
     assert (1, {"rule": "sps", "k": "2"}) in counted and 1 in counted
+
+
+def test_a_drafter_that_fails_and_then_cannot_release_degrades_only_its_requests(
+    embedded_engine, heldout_prompts
+):
+    """A draft forward fails (a device error), and freeing the failed rows' draft rows
+    raises too: `_drafter_failed` called the drafter's release unguarded, so the step
+    raised and ended every admitted request. Now each request loses its drafts only and
+    decodes on plainly: greedy, every output is still the verifier's."""
+
+    class Broken:
+        def __init__(self, inner):
+            self.inner, self.proposes, self.failed_releases = inner, 0, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def propose(self, rows):
+            self.proposes += 1
+            if self.proposes == 2:
+                raise RuntimeError("draft device error")
+            return self.inner.propose(rows)
+
+        def release(self, request_id):
+            self.inner.release(request_id)
+            if self.proposes >= 2 and not self.failed_releases:
+                self.failed_releases += 1
+                raise RuntimeError("draft device error while freeing the row")
+
+    drafter = Broken(embedded_engine.drafter)
+    engine = SpeculativeEngine(drafter, embedded_engine.verifier, embedded_engine.tokenizer)
+    reqs = [
+        _req(p, f"b{i}", temperature=0.0, max_tokens=20) for i, p in enumerate(heldout_prompts[:3])
+    ]
+    want = [
+        embedded_engine.generate(
+            replace(r, request_id="p" + r.request_id, speculation=SpeculationParams(rule="none"))
+        )
+        for r in reqs
+    ]
+    out = _run_together(engine, reqs)
+    assert drafter.failed_releases == 1
+    for r, w in zip(reqs, want, strict=True):
+        got = _result(out[r.request_id])
+        assert got.token_ids == w.token_ids
+        assert got.stats.draft_failures == 1 and got.stats.num_drafts == 1
+    assert embedded_engine.drafter.runner.num_sequences == 0
+    assert embedded_engine.verifier.runner.num_sequences == 0
+
+
+def test_a_block_cut_by_a_stop_counts_only_its_emitted_positions(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """acceptance.md sums the divergence over the positions whose token is emitted. A
+    block whose first accepted token is a stop id ends the request there; the kernel had
+    summed d(h || q) over every verified position of the block, and the statistics
+    counted every accepted draft. Now the request reports position 0's divergence,
+    d(h_0 || q_0) with h_0 Cactus's boosted mass (recomputed here from the kernel's
+    inputs), and one accepted draft."""
+    import workers.engine as engine_module
+    from kernels.divergence import binary_kl, cactus_boost
+
+    real = engine_module.ragged_accept
+    calls = []
+
+    def recording(ids, draft, target, metadata, **kw):
+        result = real(ids, draft, target, metadata, **kw)
+        calls.append((ids, target, metadata, result))
+        return result
+
+    monkeypatch.setattr(engine_module, "ragged_accept", recording)
+    for seed in range(20):  # a seed whose first block accepts 2 or more drafts
+        req = _req(heldout_prompts[5], f"free{seed}", delta=2.0, temperature=1.0, seed=seed)
+        calls.clear()
+        free = _result(_run_together(embedded_engine, [req])[req.request_id])
+        ids, target, _, result = calls[0]
+        if int(result.num_accepted[0]) >= 2:
+            break
+    else:
+        pytest.fail("no seed of 20 accepted 2 drafts in its first block")
+    full = float(result.divergence_nats[0])
+    q_0 = target[0, ids[0]].to(torch.float64).reshape(1)
+    want = float(binary_kl(cactus_boost(q_0, torch.tensor([2.0], dtype=torch.float64)), q_0)[0])
+    assert 0 < want < full  # the block's other positions add to it
+    stop = free.token_ids[0]
+    cut = replace(
+        req,
+        request_id=f"cut{seed}",
+        sampling=replace(req.sampling, stop_token_ids=(stop,)),
+    )
+    calls.clear()
+    got = _result(_run_together(embedded_engine, [cut])[cut.request_id])
+    assert got.token_ids == (stop,) and got.finish_reason == "STOP"
+    # the step's call (the same block), then the emitted prefix's
+    assert [c[2].num_draft_tokens for c in calls] == [(4,), (1,)]
+    assert float(calls[0][3].divergence_nats[0]) == full
+    assert got.stats.num_accepted_tokens == 1 and got.stats.accepted_per_position[:2] == [1, 0]
+    assert got.stats.divergence_nats == pytest.approx(want, rel=1e-12)
+
+
+def test_logprobs_beyond_a_small_vocabulary_give_every_token_it_has():
+    """logprobs N is bounded by 20, not by the vocabulary: with fewer tokens than N,
+    topk raised inside the step and ended every request of the batch."""
+    from types import SimpleNamespace
+
+    from workers.engine import _logprobs
+
+    state = SimpleNamespace(request=SimpleNamespace(sampling=SimpleNamespace(logprobs=20)))
+    target = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(0)), -1)
+    out = _logprobs([state], [2], [[4, 7, 1]], [2], target)
+    assert [t.token_id for t in out[0]] == [4, 7, 1]
+    assert all(len(t.top) == 10 for t in out[0])

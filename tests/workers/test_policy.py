@@ -435,7 +435,8 @@ def _describe_race() -> None:
         sys.setswitchinterval(interval)
     assert not errors, errors
     assert reads[0] > 0
-    # no refit was lost: a fit that says it is up to date is its window's fit
+    # no refit was lost: a fit that says it is up to date is its window's fit (a stale
+    # one refits at its next read, so nothing of it can be lost)
     for fit in (policy.cost.draft, policy.cost.verify, policy.cost.rest):
         if not fit._stale:
             theta, fit._stale = fit.theta.copy(), True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from dataclasses import replace
 
@@ -44,6 +45,16 @@ async def _health_poll(sup, seen: list, stop: asyncio.Event) -> None:
         ok = await sup.ahealthy()
         seen.append((ok, time.monotonic() - start, time.monotonic()))
         await asyncio.sleep(0.05)
+
+
+def _answered_throughout(health: list, bound_s: float = 2.0) -> None:
+    """A Check is answered on the replica's event loop, without a call to any actor, so
+    its own time says nothing; what can fail is the loop: a recovery step run on it (a
+    blocking Ray call, a restart) would stop the 50 ms polls for its whole length,
+    seconds. The polls never stopped for bound_s."""
+    times = [t for _, _, t in health]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(times) > 10 and max(gaps) < bound_s, (len(times), max(gaps, default=None))
 
 
 def _streams_under_watch(sup, reqs):
@@ -171,7 +182,7 @@ def test_a_killed_draft_actor_is_replaced_and_requests_speculate_again(
         chunks, health, respeculating_s = asyncio.run(scenario())
         # taking requests throughout: degraded, not down (`cactus.v1.Cactus` SERVING)
         assert all(ok for ok, _, _ in health)
-        assert max(took for _, took, _ in health) < 1.0
+        _answered_throughout(health)
         assert respeculating_s < 30.0, respeculating_s  # reported figure: see the chaos bench
         _check_streams(reqs, chunks, embedded_engine)
         for got in chunks:
@@ -275,7 +286,7 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(
         _check_streams(reqs, chunks, embedded_engine)
         assert any(got[-1].result.stats.resumed for got in chunks)
         assert sup.counters["rank_restarts"] == 1 and sup.state == "SERVING"
-        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        _answered_throughout(health)
         down = [at for ok, _, at in health if not ok and at >= killed]
         assert down, "health never said NOT_SERVING during the restart"
         back = min(at for ok, _, at in health if ok and at > max(down))
@@ -351,7 +362,7 @@ def test_a_hung_follower_rank_restarts_the_group_and_the_stream_resumes(
     try:
         chunks, health, noticed, serving = asyncio.run(scenario())
         assert noticed < PROBE_S + 3.0 and serving < 60.0, (noticed, serving)
-        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        _answered_throughout(health)
         _check_streams(reqs, chunks, embedded_engine)
         assert chunks[0][-1].result.stats.resumed >= 1
         assert sup.counters["rank_restarts"] == 1 and sup.state == "SERVING"
@@ -425,7 +436,7 @@ def test_hung_actors_are_declared_dead_by_their_probe(
         assert draft_s[0] < PROBE_S + 3.0 and rank_s[0] < PROBE_S + 3.0, (draft_s, rank_s)
         assert draft_s[1] < 45.0 and rank_s[1] < 60.0, (draft_s, rank_s)
         assert all(ok for ok, _, _ in draft_health)  # a hung draft: degraded, never down
-        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        _answered_throughout(health)
         _check_streams(reqs, chunks, embedded_engine)
         for got in chunks:
             stats = got[-1].result.stats
@@ -501,7 +512,7 @@ def test_a_rank_death_during_a_draft_replacement_is_restarted_without_waiting_fo
 
     try:
         chunks, health, serving_s, result, after = asyncio.run(scenario())
-        assert max(took for _, took, _ in health) < 1.0  # a Check never hangs
+        _answered_throughout(health)
         _check_streams(reqs, chunks, embedded_engine)
         # every stream resumed on the new ranks (whether one saw the draft actor's death
         # before rank 0's depends on which step each death met: not asserted)

@@ -246,6 +246,7 @@ def test_a_draft_actor_that_cannot_be_replaced_is_given_up_on():
     group, sup, result = asyncio.run(run())
     assert group.replacements == 2, group.replacements
     assert sup.draft_given_up and sup.counters["draft_restarts"] == 1
+    assert group.abandoned == 1  # EngineGroup.abandon_draft: an unattached actor goes
     assert not sup.speculating() and sup.state == "SERVING"
     assert result.text == "ok"
 
@@ -648,6 +649,39 @@ def test_an_attach_that_fails_with_rank0_silent_keeps_the_new_draft_actor(fake_r
     # (the first, failed attach, then the owed one where no restart connected it)
     assert attached == ["rank0"] + ([] if then == "ranks-restarted" else ["rank0-again"])
     assert group._draft_user == group.rank_generation and not group._attach_owed
+
+
+def test_a_give_up_ends_a_kept_actor_that_rank0_never_attached(fake_ray):
+    """EngineGroup.abandon_draft (the supervisor's give-up): the actor kept for an owed
+    attach is ended, so the next gang restart starts the ranks without a drafter. Left
+    recorded, it held its bundle and the restart connected the new rank 0 to it, while
+    the replica reported no speculation for good. The actor rank 0 drafts with is not
+    ended."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_DeadRank("rank0", log)]
+    kept = _Actor("kept", log)
+    _replacing(group, kept, log, fail="did not attach")
+    with pytest.raises(EngineStartError, match="does not answer"):
+        group.replace_draft()
+    assert group.draft is kept and group._attach_owed and kept not in fake_ray
+    group.abandon_draft()
+    assert group.draft is None and not group._attach_owed and kept in fake_ray
+    started = []
+
+    def start_ranks(draft_alive: bool = True) -> None:
+        started.append(draft_alive)
+        group.ranks = [_Actor("new-rank0", log)]
+
+    group._start_ranks = start_ranks
+    assert group.restart_ranks() is False and started == [False]
+    assert ("kept", "reset") not in log
+    in_use = group.draft = _Actor("in-use", log)  # one the new rank 0 drafts with
+    group._draft_user = group.rank_generation
+    group.abandon_draft()
+    assert group.draft is in_use and in_use not in fake_ray
 
 
 def test_an_owed_attach_of_a_kept_actor_that_died_loads_a_new_one(fake_ray):

@@ -40,6 +40,7 @@ class FlakyGroup:
         self.calls, self.restarts = 0, 0
         self.seen: list[GenerationRequest] = []
         self.ranks, self.draft = [_Rank()], None
+        self.abandoned = 0  # abandon_draft calls (the supervisor's give-up)
 
     def model_info(self) -> dict:
         return {"vocab_size": 8, "max_context": 64, "tp_size": 1}
@@ -59,6 +60,9 @@ class FlakyGroup:
 
     def cancel(self, request_id) -> None:
         pass
+
+    def abandon_draft(self) -> None:
+        self.abandoned += 1
 
 
 def _req(rid: str, time_limit_s: float | None = None) -> GenerationRequest:
