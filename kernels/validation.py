@@ -64,8 +64,9 @@ def check_values(
     """The scans over [B, K, V]: finite, non-negative probabilities, every target row
     with mass; ids in [0, V).
 
-    One reduction pass per tensor (min and max; NaN propagates into both), and the
-    elementwise checks only to word the error once something is wrong.
+    One reduction pass per tensor (min and max; NaN propagates into both) and one over
+    the target rows' sums, and the elementwise checks only to word the error once
+    something is wrong.
     """
     for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs)):
         if t.numel() == 0:

@@ -413,7 +413,10 @@ class SpeculativeEngine:
         positions alone (`_Verified.prefix`)."""
         n = len(taken)
         if n < min(accepted + 1, k):  # the kernel summed verified positions n..
-            divergence, capped = verified.prefix(i, n)
+            try:
+                divergence, capped = verified.prefix(i, n)
+            except Exception:  # statistics only: never the step's requests
+                log.exception("request %s: the emitted prefix's divergence failed", state.id)
         was_capped = state.stats.divergence_capped
         state.count(k, min(accepted, n), divergence, capped)
         if state.stats.divergence_capped and not was_capped:
@@ -570,7 +573,13 @@ class SpeculativeEngine:
     def _reap(self) -> None:
         """Cancelled requests end with RequestCancelledError, late ones with TIME_LIMIT."""
         for state in self.scheduler.all():
-            if state.cancelled is not None and state.cancelled():
+            try:
+                cancelled = state.cancelled is not None and state.cancelled()
+            except Exception as err:  # the caller's own check: its request alone ends
+                log.exception("request %s: its cancel check raised", state.id)
+                self._end(state, err)
+                continue
+            if cancelled:
                 self._end(state, RequestCancelledError(f"request {state.id} cancelled"))
             elif state.timed_out():
                 state.time_limit()

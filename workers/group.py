@@ -513,8 +513,14 @@ class EngineGroup:
         the replica reported no speculation for good (the README's promise: an actor
         rank 0 could not attach is ended)."""
         with self._restarting:
-            if self.draft is None or self._draft_user == self.rank_generation:
-                return  # none, or the one rank 0 drafts with (a dead one is found so)
+            if self.draft is None:
+                return
+            # rank 0 drafts with the recorded actor and no attach is owed: it is the one
+            # that failed its probe (a dead one is found so at the next restart). An
+            # owed attach marks the last try's actor even where the gang restart that
+            # its failure started has connected the new rank 0 to it meanwhile
+            if self._draft_user == self.rank_generation and not self._attach_owed:
+                return
             gone, self.draft = self.draft, None
             self._attach_owed = False
             self._end([gone], self._processes.pop("draft", []))

@@ -919,3 +919,56 @@ def test_logprobs_beyond_a_small_vocabulary_give_every_token_it_has():
     out = _logprobs([state], [2], [[4, 7, 1]], [2], target)
     assert [t.token_id for t in out[0]] == [4, 7, 1]
     assert all(len(t.top) == 10 for t in out[0])
+
+
+def test_a_cancel_check_that_raises_ends_its_request_alone(embedded_engine, heldout_prompts):
+    """`cancelled` is the caller's callable, read every step for every request: one that
+    raised ended the step, and the loop then ended every admitted request with it. Now
+    its own request ends with that error and the others finish."""
+    calls = [0]
+
+    def broken() -> bool:
+        calls[0] += 1
+        if calls[0] > 2:
+            raise RuntimeError("the caller's cancel flag is gone")
+        return False
+
+    engine = _sharing(embedded_engine)
+    reqs = [
+        _req(p, f"c{i}", temperature=0.0, max_tokens=12) for i, p in enumerate(heldout_prompts[:3])
+    ]
+    out = _run_together(engine, reqs, cancelled={"c1": broken})
+    assert isinstance(out["c1"][-1], RuntimeError) and calls[0] == 3
+    for rid in ("c0", "c2"):
+        assert len(_result(out[rid]).token_ids) == 12
+    assert engine.scheduler.num_rows == 0
+    assert embedded_engine.verifier.runner.num_sequences == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_emitted_prefix_is_verified_as_the_step_verified_those_positions(seed):
+    """`_Verified.prefix` re-verifies row i's first n drafted tokens (a block cut by a
+    stop). Over a ragged batch of every rule, K, delta and budget (the kernel tests'
+    rows, most at i > 0): n = every position the step's call summed gives that call's
+    divergence and budget flag exactly (a wrong row, offset or uniform would not), and
+    shorter prefixes give partial sums that only grow."""
+    from kernels import ragged_accept
+    from tests.kernels.test_ragged import ROWS, make_batch
+    from workers.engine import _Verified
+
+    batch = make_batch(ROWS, seed)
+    ids, draft, target = batch.flat()
+    full = ragged_accept(ids, draft, target, batch.metadata)
+    verified = _Verified(ids, draft, target, batch.metadata)
+    cut = 0
+    for i, k in enumerate(batch.metadata.num_draft_tokens):
+        if not k:
+            continue
+        accepted = int(full.num_accepted[i])
+        div, capped = verified.prefix(i, min(accepted + 1, k))
+        assert div == float(full.divergence_nats[i]), (i, div)
+        assert capped == bool(full.budget_exhausted[i]), i
+        partial = [verified.prefix(i, n)[0] for n in range(1, min(accepted, k - 1) + 1)]
+        assert partial == sorted(partial) and all(d <= div for d in partial), (i, partial)
+        cut += len(partial)
+    assert cut >= 3  # rows whose accepted run a stop could cut

@@ -684,6 +684,31 @@ def test_a_give_up_ends_a_kept_actor_that_rank0_never_attached(fake_ray):
     assert group.draft is in_use and in_use not in fake_ray
 
 
+def test_a_give_up_ends_the_kept_actor_a_gang_restart_connected_meanwhile(fake_ray):
+    """The other order: the give-up comes once the ranks' failure was counted, and the
+    gang restart that failure started runs during the supervisor's back-off, resets the
+    kept actor and connects the new rank 0 to it. abandon_draft then found it in use and
+    left it: the replica drafted with it while reporting no speculation for good. The
+    owed attach marks it as the last try's: it is ended (rank 0's requests then decode
+    plainly, as the give-up says)."""
+    from workers.group import EngineGroup, GroupConfig
+
+    log: list = []
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_DeadRank("rank0", log)]
+    kept = _Actor("kept", log)
+    _replacing(group, kept, log, fail="did not attach")
+    with pytest.raises(EngineStartError, match="does not answer"):
+        group.replace_draft()
+    group._start_ranks = lambda draft_alive=True: setattr(
+        group, "ranks", [_Actor("new-rank0", log)]
+    )
+    assert group.restart_ranks() is True and ("kept", "reset") in log
+    assert group._draft_user == group.rank_generation  # the new rank 0 drafts with it
+    group.abandon_draft()
+    assert group.draft is None and kept in fake_ray and not group._attach_owed
+
+
 def test_an_owed_attach_of_a_kept_actor_that_died_loads_a_new_one(fake_ray):
     """EngineGroup.replace_draft: the next try after an owed attach asks the kept actor
     first; one that died since (its status fails) is ended and replaced by a new load,
