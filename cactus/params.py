@@ -142,6 +142,19 @@ def _invalid(name: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(name, message)
 
 
+def _check_unicode(name: str, text: str) -> None:
+    """Text must be valid Unicode: a lone surrogate (what undecodable bytes in argv
+    become, or JSON's \\ud800) reached the tokenizer, which raised TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _invalid(
+            name,
+            f"must be valid Unicode text (UTF-8): {text[err.start : err.end]!r} at "
+            f"character {err.start}",
+        ) from None
+
+
 def _short(value) -> str:
     """repr of a refused value, cut so that a huge int or string cannot swell the error."""
     if isinstance(value, int) and abs(value) >= 10**30:
@@ -216,6 +229,7 @@ def _validate_prompt(request: GenerationRequest, limits: Limits) -> None:
     if has_text:
         if not isinstance(request.prompt, str):
             raise _invalid("prompt", "must be a string")
+        _check_unicode("prompt", request.prompt)
         if len(request.prompt) > limits.max_prompt_chars:
             raise _invalid(
                 "prompt",
@@ -266,6 +280,7 @@ def _validate_sampling(s: SamplingParams, limits: Limits, prompt_len: int | None
                 "stop",
                 f"stop strings must be non-empty, <= {MAX_STOP_STRING_CHARS} characters, got {got}",
             )
+        _check_unicode("stop", text)
     if s.logprobs is not None and (not _is_int(s.logprobs) or not 0 <= s.logprobs <= MAX_LOGPROBS):
         raise _invalid(
             "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_short(s.logprobs)}"

@@ -343,25 +343,38 @@ def generate(args) -> int:
             validate_request(request, Limits(max_context=sys.maxsize, vocab_size=sys.maxsize))
             result = _run_ray(args, request)
         else:
-            engine = local_engine(
-                args.verifier,
-                args.draft,
-                dtype=args.dtype,
-                scheduler=SchedulerConfig(policy=args.policy),
-            )
+            validate_request(request, Limits(max_context=sys.maxsize, vocab_size=sys.maxsize))
+            try:
+                engine = local_engine(
+                    args.verifier,
+                    args.draft,
+                    dtype=args.dtype,
+                    scheduler=SchedulerConfig(policy=args.policy),
+                )
+            except (ValueError, OSError):
+                raise  # transformers' own words (a folder without weights), below
+            except Exception as err:  # a corrupt or truncated weights file (safetensors)
+                print(
+                    f"error: --verifier / --draft: cannot load the models "
+                    f"({args.verifier}, {args.draft}): {type(err).__name__}: {_first_line(err)}",
+                    file=sys.stderr,
+                )
+                return 2
             result = _consume(engine.stream(request), args.stream)
     except BrokenPipeError:  # stdout's reader went away: main ends quietly
         raise
-    except Exception as err:
+    except Exception as raised:
         # an error raised in a Ray actor arrives wrapped, its text the remote traceback
-        err = unwrap(err)
+        err = unwrap(raised)
         if isinstance(err, (InvalidRequestError, ValueError, OSError)):
             print(f"error: {err}", file=sys.stderr)
             return 2
         if isinstance(err, CactusError):  # the engine did not start (EngineStartError), ...
             print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
             return 1
-        if args.backend == "ray" and _is_ray_error(err):
+        if args.backend == "ray" and (_is_ray_error(raised) or _is_ray_error(err)):
+            # README: an actor's error as its one line (the wrapper's text is the
+            # remote traceback; what it wraps, any error, says it in its first line)
             print(f"error: {type(err).__name__}: {_first_line(err)}", file=sys.stderr)
             return 1
         raise

@@ -71,21 +71,57 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# An idle rank 0's keep-alive broadcast: well inside the process group's timeout.
+KEEPALIVE_S = 60.0
+
+
 class MirroredRunner:
     """A BatchRunner whose cache operations are replayed on the follower ranks.
 
     Followers mirror one batched operation per step: rollbacks and releases are pure
     bookkeeping, so they are queued and travel in the same broadcast as the next
-    forward (or start), which is then the only collective message of the step."""
+    forward (or start), which is then the only collective message of the step.
 
-    def __init__(self, runner: BatchRunner, world_size: int) -> None:
+    Followers wait for rank 0 inside that collective, and a collective times out with
+    its process group (DeepSpeed's default, 10 minutes): a group left idle that long
+    broke, its followers' loops ended, and the next request paid a gang restart. So an
+    idle rank 0 sends a keep-alive broadcast (the queued ops, often none) once no
+    broadcast went out for `keepalive_s`."""
+
+    def __init__(
+        self, runner: BatchRunner, world_size: int, *, keepalive_s: float | None = KEEPALIVE_S
+    ) -> None:
         self.runner = runner
         self.world_size = world_size
         self._lock = threading.Lock()
         self._queued: list[tuple] = []  # bookkeeping ops for the next broadcast
         self.broadcast_s = 0.0
         self.broadcasts = 0
+        self.keepalives = 0
         self.failed: BaseException | None = None  # the group broke: nothing more runs
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        if world_size > 1 and keepalive_s is not None:
+            threading.Thread(
+                target=self._keep_alive, args=(keepalive_s,), name="tp-keepalive", daemon=True
+            ).start()
+
+    def _keep_alive(self, period_s: float) -> None:
+        while not self._stopped.wait(period_s / 4):
+            with self._lock:
+                if self._stopped.is_set() or self.failed is not None:
+                    return
+                if time.monotonic() - self._last_sent < period_s:
+                    continue
+                ops, self._queued = self._queued, []
+                try:
+                    torch.distributed.broadcast_object_list([ops], src=0)
+                except Exception as err:  # the group is gone: the next op reports it
+                    self.failed = err
+                    logger.warning("the tensor-parallel keep-alive failed: %s", err)
+                    return
+                self._last_sent = time.monotonic()
+                self.keepalives += 1
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -125,6 +161,7 @@ class MirroredRunner:
                 ops, self._queued = [*self._queued, (op, args, kwargs)], []
                 start = time.perf_counter()
                 torch.distributed.broadcast_object_list([ops], src=0)
+                self._last_sent = time.monotonic()
                 self.broadcast_s += time.perf_counter() - start
                 self.broadcasts += 1
                 return getattr(self.runner, op)(*args, **kwargs)
@@ -170,6 +207,7 @@ class MirroredRunner:
         return self._later("release", seq_id)
 
     def stop_followers(self) -> None:
+        self._stopped.set()
         with self._lock:
             if self.world_size > 1 and self.failed is None:
                 torch.distributed.broadcast_object_list([[("stop", (), {})]], src=0)

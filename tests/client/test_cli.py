@@ -472,3 +472,51 @@ def test_generate_takes_the_speculation_policy(policy, monkeypatch, capsys):
     monkeypatch.setattr(workers.local, "local_engine", engine)
     assert main(["generate", "--prompt", "x", "--stream", "--policy", policy]) == 0
     assert seen["scheduler"].policy == policy
+
+
+def test_generate_refuses_a_prompt_that_is_not_unicode(capsys):
+    """Undecodable bytes in argv become lone surrogates, which reached the tokenizer
+    (a TypeError traceback, exit 1); `cactus client` and the HTTP API refused them
+    already. Now exit 2 naming the prompt, before a model loads."""
+    assert main(["generate", "--prompt", "def \udcff"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: prompt: must be valid Unicode text") and "Traceback" not in err
+    assert main(["generate", "--prompt", "x", "--stop", "\udcff"]) == 2
+    assert capsys.readouterr().err.startswith("error: stop: must be valid Unicode text")
+
+
+def test_generate_names_the_model_folders_when_a_weights_file_is_corrupt(tmp_path, capsys):
+    """A truncated model.safetensors raised safetensors' own error (not an OSError): a
+    traceback. Now one line naming both folders, exit 2."""
+    import shutil
+
+    from tests.conftest import embedded_dirs
+
+    _, draft = embedded_dirs()
+    broken = tmp_path / "draft"
+    shutil.copytree(draft, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["generate", "--prompt", "x", "--draft", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --verifier / --draft: cannot load the models"), err
+    assert str(broken) in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_generate_with_ray_prints_any_remote_errors_first_line(monkeypatch, capsys):
+    """README: with --backend ray an actor's error is printed as its one line. Only
+    errors that were Ray's own after unwrapping were: an actor's TypeError or torch
+    RuntimeError printed the whole remote traceback."""
+    from ray.exceptions import RayTaskError
+
+    import client.cli as cli
+
+    def run(args, request):
+        raise RayTaskError(
+            "Rank0.stream", "Traceback (most recent call last):\n ...", TypeError("bad tensor")
+        )
+
+    monkeypatch.setattr(cli, "_run_ray", run)
+    assert main(["generate", "--backend", "ray", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: TypeError: bad tensor\n", err

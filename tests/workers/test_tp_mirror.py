@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import sys
+import time
 import types
 from typing import ClassVar
 
@@ -260,3 +261,88 @@ def test_attach_draft_that_timed_out_never_switches_later(fake_grpc_drafter):
     with pytest.raises(RuntimeError, match="gave up"):  # the loop runs it afterwards
         late(rank.engine)
     assert rank.engine.drafter is old  # still the drafter the actor holds and closes
+
+
+class _Recording:
+    """A follower's (and rank 0's) runner that records the ops it is given."""
+
+    def __init__(self) -> None:
+        self.ops: list = []
+
+    def start(self, seq_id, reserve_tokens=None) -> None:
+        self.ops.append(("start", seq_id))
+
+    def check_start(self, seq_id, reserve_tokens=None):
+        return reserve_tokens, None
+
+
+def _gloo_rank(rank: int, port: int, keepalive_s, idle_s: float, out) -> None:
+    """One rank of a real two-process gloo group whose collectives time out after 3 s
+    (the production group's timeout is DeepSpeed's 10 minutes): rank 0 idles idle_s,
+    then mirrors one start and stops the follower; each reports to `out`."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from workers.tp_verifier import MirroredRunner, follow
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=3),
+    )
+    runner = _Recording()
+    try:
+        if rank == 0:
+            mirror = MirroredRunner(runner, 2, keepalive_s=keepalive_s)
+            time.sleep(idle_s)
+            mirror.start("a", 4)
+            mirror.stop_followers()
+            out.put((0, "ok", mirror.keepalives))
+        else:
+            follow(runner)
+            out.put((1, "ok", runner.ops))
+    except Exception as err:  # reported to the test
+        out.put((rank, "error", f"{type(err).__name__}: {err}"[:300]))
+
+
+def _idle_group(keepalive_s) -> dict:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = tp_verifier.free_port()
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(rank, port, keepalive_s, 5.0, out), daemon=True)
+        for rank in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    seen: dict = {}
+    try:
+        while len(seen) < 2:
+            rank, status, detail = out.get(timeout=60)
+            seen[rank] = (status, detail)
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return seen
+
+
+def test_an_idle_tensor_parallel_group_outlives_its_collective_timeout():
+    """Followers wait for rank 0's next op inside a broadcast, which times out with the
+    process group: a group idle for longer (10 minutes in production) broke, and the
+    next request paid a gang restart. rank 0's keep-alive broadcasts keep it whole: after
+    5 s idle against a 3 s timeout the follower still applies rank 0's next op. Without
+    them (the control) the follower's wait times out."""
+    kept = _idle_group(keepalive_s=0.5)
+    assert kept.get(1) == ("ok", [("start", "a")]), kept
+    assert kept[0][0] == "ok" and kept[0][1] >= 4, kept  # keep-alives sent while idle
+    control = _idle_group(keepalive_s=None)
+    assert control.get(1, ("none",))[0] == "error", control
