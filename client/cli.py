@@ -313,6 +313,7 @@ def _quiet() -> None:
 def generate(args) -> int:
     _quiet()
     import torch
+    from safetensors import SafetensorError
 
     from cactus.errors import CactusError, InvalidRequestError, unwrap
     from cactus.params import Limits, validate_request
@@ -351,9 +352,7 @@ def generate(args) -> int:
                     dtype=args.dtype,
                     scheduler=SchedulerConfig(policy=args.policy),
                 )
-            except (ValueError, OSError):
-                raise  # transformers' own words (a folder without weights), below
-            except Exception as err:  # a corrupt or truncated weights file (safetensors)
+            except SafetensorError as err:  # a corrupt or truncated weights file
                 print(
                     f"error: --verifier / --draft: cannot load the models "
                     f"({args.verifier}, {args.draft}): {type(err).__name__}: {_first_line(err)}",

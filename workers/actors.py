@@ -221,7 +221,7 @@ class VerifierRank:
         from workers.engine_loop import EngineLoop
         from workers.grpc_drafter import GrpcDrafter
         from workers.local import LocalVerifier
-        from workers.tp_verifier import MirroredRunner
+        from workers.tp_verifier import MirroredRunner, keepalive_period
 
         if isinstance(limits, dict):  # the operator's limits; the model adds its own
             from cactus.params import Limits
@@ -229,7 +229,7 @@ class VerifierRank:
             limits = Limits(
                 max_context=self.runner.max_context, vocab_size=self.runner.vocab_size, **limits
             )
-        self.mirror = MirroredRunner(self.runner, self.world_size)
+        self.mirror = MirroredRunner(self.runner, self.world_size, keepalive_s=keepalive_period())
         self.drafter = GrpcDrafter(
             draft_address,
             vocab_size=self.runner.vocab_size,

@@ -415,7 +415,7 @@ class SpeculativeEngine:
         if n < min(accepted + 1, k):  # the kernel summed verified positions n..
             try:
                 divergence, capped = verified.prefix(i, n)
-            except Exception:  # statistics only: never the step's requests
+            except Exception:  # statistics only (a cut block ends its request this step)
                 log.exception("request %s: the emitted prefix's divergence failed", state.id)
         was_capped = state.stats.divergence_capped
         state.count(k, min(accepted, n), divergence, capped)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import random
 import socket
@@ -75,6 +76,16 @@ def free_port() -> int:
 KEEPALIVE_S = 60.0
 
 
+def keepalive_period() -> float:
+    """KEEPALIVE_S, or a quarter of the group's collective timeout where that is shorter
+    (DeepSpeed's, which init_distributed takes: DEEPSPEED_TIMEOUT minutes, default 10)."""
+    try:
+        from deepspeed.constants import default_pg_timeout
+    except ImportError:  # (tests without DeepSpeed's group)
+        return KEEPALIVE_S
+    return min(KEEPALIVE_S, default_pg_timeout.total_seconds() / 4)
+
+
 class MirroredRunner:
     """A BatchRunner whose cache operations are replayed on the follower ranks.
 
@@ -90,7 +101,7 @@ class MirroredRunner:
 
     def __init__(
         self, runner: BatchRunner, world_size: int, *, keepalive_s: float | None = KEEPALIVE_S
-    ) -> None:
+    ) -> None:  # keepalive_s None: no keep-alives (tests)
         self.runner = runner
         self.world_size = world_size
         self._lock = threading.Lock()
@@ -99,7 +110,9 @@ class MirroredRunner:
         self.broadcasts = 0
         self.keepalives = 0
         self.failed: BaseException | None = None  # the group broke: nothing more runs
-        self._last_sent = time.monotonic()
+        # the followers have waited since they started (before rank 0 connected, which on
+        # a first start waits for the draft model to load): the first tick sends one
+        self._last_sent = -math.inf
         self._stopped = threading.Event()
         if world_size > 1 and keepalive_s is not None:
             threading.Thread(

@@ -77,7 +77,7 @@ def broadcasts(monkeypatch):
 def test_a_rank0_only_failure_after_the_broadcast_fails_the_group(broadcasts, error):
     assert not is_engine_failure(error)  # by itself it does not read as a dead engine
     runner = _Runner(error)
-    mirror = MirroredRunner(runner, world_size=2)
+    mirror = MirroredRunner(runner, world_size=2, keepalive_s=None)
     mirror.start("a", 4)
     with pytest.raises(EngineFailedError, match="out of memory") as raised:
         mirror.forward(["a"], [[1, 2]])
@@ -99,7 +99,7 @@ def test_a_bug_after_the_broadcast_fails_the_group_but_not_every_restart(broadca
     is still done (the next op raises EngineFailedError, the ping fails)."""
     error = ValueError("a bookkeeping bug")
     runner = _Runner(error)
-    mirror = MirroredRunner(runner, world_size=2)
+    mirror = MirroredRunner(runner, world_size=2, keepalive_s=None)
     mirror.start("a", 4)
     with pytest.raises(ValueError, match="bookkeeping bug") as raised:
         mirror.forward(["a"], [[1, 2]])
@@ -112,7 +112,7 @@ def test_bad_forward_arguments_are_refused_before_the_broadcast(broadcasts):
     """An unknown sequence raises on rank 0 before the followers see the op (they would
     raise too, and leave the group), so the group goes on."""
     runner = _Runner(RuntimeError("unused"))
-    mirror = MirroredRunner(runner, world_size=2)
+    mirror = MirroredRunner(runner, world_size=2, keepalive_s=None)
     mirror.start("a", 4)
     with pytest.raises(KeyError):
         mirror.forward(["nobody"], [[1]])
@@ -128,7 +128,8 @@ def test_a_start_that_does_not_fit_is_refused_before_the_broadcast(broadcasts, t
     broken for every request. It is refused before any follower sees it."""
     from workers.batch_runner import BatchRunner, CapacityError
 
-    mirror = MirroredRunner(BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=1), 2)
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=1)
+    mirror = MirroredRunner(runner, 2, keepalive_s=None)
     mirror.start("a", 8)
     with pytest.raises(CapacityError, match="cannot admit 'b'"):
         mirror.start("b", 8)
@@ -147,7 +148,9 @@ def _rank0(mirror=None) -> VerifierRank:
 
 
 def test_rank0s_ping_fails_once_its_mirror_is_broken(broadcasts):
-    mirror = MirroredRunner(_Runner(RuntimeError("CUDA out of memory")), world_size=2)
+    mirror = MirroredRunner(
+        _Runner(RuntimeError("CUDA out of memory")), world_size=2, keepalive_s=None
+    )
     rank = _rank0(mirror)
     assert rank.ping() == 0
     with pytest.raises(Exception, match="out of memory"):  # old code: the raw error
@@ -276,23 +279,30 @@ class _Recording:
         return reserve_tokens, None
 
 
-def _gloo_rank(rank: int, port: int, keepalive_s, idle_s: float, out) -> None:
+def _gloo_rank(rank: int, port: int, keepalive_s, idle_s: float, ready, out) -> None:
     """One rank of a real two-process gloo group whose collectives time out after 3 s
     (the production group's timeout is DeepSpeed's 10 minutes): rank 0 idles idle_s,
-    then mirrors one start and stops the follower; each reports to `out`."""
+    then mirrors one start and stops the follower; each reports (rank, outcome, detail)
+    to `out`, the outcome naming the phase that failed. Both ranks join the group
+    together (`ready`, a barrier past their imports), so the 3 s is all the wait's."""
     import datetime
 
     import torch.distributed as dist
 
     from workers.tp_verifier import MirroredRunner, follow
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=3),
-    )
+    try:
+        ready.wait(60)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=3),
+        )
+    except Exception as err:  # reported to the test
+        out.put((rank, "init failed", f"{type(err).__name__}: {err}"[:300]))
+        return
     runner = _Recording()
     try:
         if rank == 0:
@@ -305,17 +315,17 @@ def _gloo_rank(rank: int, port: int, keepalive_s, idle_s: float, out) -> None:
             follow(runner)
             out.put((1, "ok", runner.ops))
     except Exception as err:  # reported to the test
-        out.put((rank, "error", f"{type(err).__name__}: {err}"[:300]))
+        out.put((rank, "failed", f"{type(err).__name__}: {err}"[:300]))
 
 
 def _idle_group(keepalive_s) -> dict:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
+    out, ready = ctx.Queue(), ctx.Barrier(2)
     port = tp_verifier.free_port()
     procs = [
-        ctx.Process(target=_gloo_rank, args=(rank, port, keepalive_s, 5.0, out), daemon=True)
+        ctx.Process(target=_gloo_rank, args=(rank, port, keepalive_s, 5.0, ready, out), daemon=True)
         for rank in (0, 1)
     ]
     for p in procs:
@@ -345,4 +355,6 @@ def test_an_idle_tensor_parallel_group_outlives_its_collective_timeout():
     assert kept.get(1) == ("ok", [("start", "a")]), kept
     assert kept[0][0] == "ok" and kept[0][1] >= 4, kept  # keep-alives sent while idle
     control = _idle_group(keepalive_s=None)
-    assert control.get(1, ("none",))[0] == "error", control
+    # the follower's wait in follow() timed out (gloo: "Timed out waiting ... for recv")
+    assert control.get(1, ("none",))[0] == "failed", control
+    assert "timed out" in control[1][1].lower(), control
