@@ -338,13 +338,12 @@ def generate(args) -> int:
             return 2
     try:
         request = build_request(args)
+        # the fields' own ranges before a Ray head, an engine group or the models start
+        # (the context checks need the model's limits: the engine makes them)
+        validate_request(request, Limits(max_context=sys.maxsize, vocab_size=sys.maxsize))
         if args.backend == "ray":
-            # the fields' own ranges before a Ray head and the engine group start (the
-            # context checks need the model's limits: rank 0 makes them)
-            validate_request(request, Limits(max_context=sys.maxsize, vocab_size=sys.maxsize))
             result = _run_ray(args, request)
         else:
-            validate_request(request, Limits(max_context=sys.maxsize, vocab_size=sys.maxsize))
             try:
                 engine = local_engine(
                     args.verifier,

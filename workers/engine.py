@@ -343,14 +343,14 @@ class SpeculativeEngine:
             [(s.id, blocks[s.id].token_ids if s.id in blocks else ()) for s in running]
         )
         t2 = time.perf_counter()
-        result, target, finite, verified = self._accept(running, ks, blocks, logits)  # accept
+        result, finite, verified = self._accept(running, ks, blocks, logits)  # accept
         outputs = result.output_token_ids.tolist()  # (on CUDA: waits for the kernel)
         finite = finite.tolist()
         accepted = result.num_accepted.tolist()
         divergence = result.divergence_nats.tolist()
         capped = result.budget_exhausted.tolist()
         t3 = time.perf_counter()
-        logprobs = _logprobs(running, ks, outputs, accepted, target)
+        logprobs = _logprobs(running, ks, outputs, accepted, verified.target)
         predicted = [expected[s.id] if k else 1.0 for s, k in zip(running, ks, strict=True)]
         ok = [i for i in range(len(running)) if finite[i]]  # the rest learn the policy nothing
         self.policy.observe_rows(
@@ -527,7 +527,7 @@ class SpeculativeEngine:
         # no value scans: the rows' finiteness is checked above (verifier) and by the
         # drafters (in-process and on the wire), a row at a time
         accepted = ragged_accept(draft_ids, draft_probs, target, metadata, validate=False)
-        return accepted, target, finite, _Verified(draft_ids, draft_probs, target, metadata)
+        return accepted, finite, _Verified(draft_ids, draft_probs, target, metadata)
 
     def _commit(self, state, k: int, block, accepted: int, token: int) -> None:
         cap = state.draft_max_context
@@ -752,7 +752,8 @@ def _logprobs(running, ks, outputs, accepted, target) -> dict[int, list[TokenLog
 
 
 class _Verified(NamedTuple):
-    """One step's acceptance inputs (the flattened tensors and their metadata)."""
+    """One step's acceptance inputs: the flattened tensors (`target`, the processed q of
+    every position, also gives the logprobs) and their metadata."""
 
     draft_ids: torch.Tensor  # [sum K_i]
     draft_probs: torch.Tensor  # [sum K_i, V]

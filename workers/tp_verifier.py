@@ -126,15 +126,20 @@ class MirroredRunner:
                     return
                 if time.monotonic() - self._last_sent < period_s:
                     continue
-                ops, self._queued = self._queued, []
                 try:
-                    torch.distributed.broadcast_object_list([ops], src=0)
+                    self._broadcast([])
                 except Exception as err:  # the group is gone: the next op reports it
                     self.failed = err
                     logger.warning("the tensor-parallel keep-alive failed: %s", err)
                     return
-                self._last_sent = time.monotonic()
                 self.keepalives += 1
+
+    def _broadcast(self, ops: list[tuple]) -> None:
+        """(Under the lock.) Send the queued bookkeeping ops, then `ops`, to the
+        followers."""
+        ops, self._queued = [*self._queued, *ops], []
+        torch.distributed.broadcast_object_list([ops], src=0)
+        self._last_sent = time.monotonic()
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -171,12 +176,10 @@ class MirroredRunner:
             if refuse is not None:
                 refuse()
             try:
-                ops, self._queued = [*self._queued, (op, args, kwargs)], []
                 start = time.perf_counter()
-                torch.distributed.broadcast_object_list([ops], src=0)
-                self._last_sent = time.monotonic()
+                self._broadcast([(op, args, kwargs)])
                 self.broadcast_s += time.perf_counter() - start
-                self.broadcasts += 1
+                self.broadcasts += 1  # (the step's own: keep-alives are counted apart)
                 return getattr(self.runner, op)(*args, **kwargs)
             except Exception as err:
                 broken = self._broke(err)

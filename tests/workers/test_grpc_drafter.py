@@ -132,31 +132,41 @@ def test_a_prefetched_block_never_reaches_a_new_request_that_took_its_id(draft_s
         drafter.close()
 
 
+@contextlib.contextmanager
+def _leased_drafter(tiny_checkpoints, lease_s: float):
+    """A two-row draft server expiring leases every 20 ms, and a client whose sessions
+    hold `lease_s` leases; yields (runner, servicer, drafter). The drafter is closed at
+    the end (a test may close it first)."""
+    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
+    servicer = DraftServicer(LocalDrafter(runner))
+    with _serving(servicer, lease_period_s=0.02) as address:
+        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30, lease_s=lease_s)
+        try:
+            yield runner, servicer, drafter
+        finally:
+            drafter.close()
+
+
 def test_a_row_drafted_nothing_for_keeps_its_draft_session(tiny_checkpoints):
     """A row the policy holds at k = 0 sends no ProposeBatch, only recorded commits: the
     draft side's lease freed its session, and its next proposal failed (NOT_FOUND),
     ending its drafts. rank 0 touches such sessions; once it is gone, nothing does, and
     the lease frees them."""
-    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
-    servicer = DraftServicer(LocalDrafter(runner))
-    with _serving(servicer, lease_period_s=0.02) as address:
-        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30, lease_s=3.0)
-        try:
-            drafter.start("held", [5, 6, 7], SamplingParams(max_tokens=128, temperature=0.8), 1)
-            drafter.flush("held")
-            committed = 3
-            deadline = time.monotonic() + 7.0  # more than two leases
-            while time.monotonic() < deadline:  # plain decoding steps: a commit, and the
-                drafter.commit("held", committed, 0, 11)  # engine's end-of-step prefetch
-                drafter.prefetch([])  # (no row drafts)
-                committed += 1
-                time.sleep(0.1)
-            assert "held" in servicer.sessions
-            (block,) = drafter.propose([ProposeRow("held", 2)])
-            assert isinstance(block, DraftBlock), block
-            assert block.epoch == committed
-        finally:
-            drafter.close()
+    with _leased_drafter(tiny_checkpoints, lease_s=3.0) as (runner, servicer, drafter):
+        drafter.start("held", [5, 6, 7], SamplingParams(max_tokens=128, temperature=0.8), 1)
+        drafter.flush("held")
+        committed = 3
+        deadline = time.monotonic() + 7.0  # more than two leases
+        while time.monotonic() < deadline:  # plain decoding steps: a commit, and the
+            drafter.commit("held", committed, 0, 11)  # engine's end-of-step prefetch
+            drafter.prefetch([])  # (no row drafts)
+            committed += 1
+            time.sleep(0.1)
+        assert "held" in servicer.sessions
+        (block,) = drafter.propose([ProposeRow("held", 2)])
+        assert isinstance(block, DraftBlock), block
+        assert block.epoch == committed
+        drafter.close()
         deadline = time.monotonic() + 10  # rank 0 is gone: the lease frees the row
         while (servicer.sessions or runner.num_sequences) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -170,26 +180,20 @@ def test_a_session_opened_while_its_prompt_still_prefills_here_keeps_its_lease(
     chunk by chunk, many steps with no call naming the row. The touches skipped every
     session whose answered Open nothing had taken yet, so the lease freed it and the
     row's first proposal failed (NOT_FOUND): the request lost its drafts for good."""
-    runner = BatchRunner(str(tiny_checkpoints["llama"]), max_num_seqs=2)
-    servicer = DraftServicer(LocalDrafter(runner))
-    with _serving(servicer, lease_period_s=0.02) as address:
-        drafter = GrpcDrafter(address, vocab_size=runner.vocab_size, timeout_s=30, lease_s=1.5)
-        try:
-            drafter.start("long", [5, 6, 7], SamplingParams(max_tokens=64, temperature=0.8), 1)
-            deadline = time.monotonic() + 10
-            while not drafter.opened("long") and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert drafter.opened("long")
-            deadline = time.monotonic() + 4.0  # more than two leases of prefill steps
-            while time.monotonic() < deadline:
-                drafter.prefetch([])  # the engine's end-of-step call (no row drafts)
-                time.sleep(0.05)
-            assert "long" in servicer.sessions
-            (block,) = drafter.propose([ProposeRow("long", 2)])
-            assert isinstance(block, DraftBlock), block
-            assert block.epoch == 3 and len(block.token_ids) == 2
-        finally:
-            drafter.close()
+    with _leased_drafter(tiny_checkpoints, lease_s=1.5) as (_, servicer, drafter):
+        drafter.start("long", [5, 6, 7], SamplingParams(max_tokens=64, temperature=0.8), 1)
+        deadline = time.monotonic() + 10
+        while not drafter.opened("long") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert drafter.opened("long")
+        deadline = time.monotonic() + 4.0  # more than two leases of prefill steps
+        while time.monotonic() < deadline:
+            drafter.prefetch([])  # the engine's end-of-step call (no row drafts)
+            time.sleep(0.05)
+        assert "long" in servicer.sessions
+        (block,) = drafter.propose([ProposeRow("long", 2)])
+        assert isinstance(block, DraftBlock), block
+        assert block.epoch == 3 and len(block.token_ids) == 2
 
 
 def test_a_draft_actor_of_another_vocabulary_is_refused(draft_server):

@@ -609,6 +609,22 @@ class _DeadRank:
         return SimpleNamespace(remote=remote)
 
 
+def _kept_after_a_silent_attach(log: list):
+    """An EngineGroup (fake Ray) whose draft replacement loaded a new actor that rank 0,
+    silent, did not attach: the attach is owed and the loaded actor kept. Returns
+    (group, the kept actor); the old draft actor was ended."""
+    from workers.group import EngineGroup, GroupConfig
+
+    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
+    group.draft, group.ranks = _Actor("old-draft", log), [_DeadRank("rank0", log)]
+    kept = _Actor("kept", log)
+    _replacing(group, kept, log, fail="did not attach")
+    with pytest.raises(EngineStartError, match="does not answer"):
+        group.replace_draft()
+    assert group.draft is kept and group._attach_owed
+    return group, kept
+
+
 @pytest.mark.parametrize("then", ["ranks-restarted", "rank0-answers-again"])
 def test_an_attach_that_fails_with_rank0_silent_keeps_the_new_draft_actor(fake_ray, then):
     """EngineGroup.replace_draft: an attach that fails while rank 0 does not answer its
@@ -617,17 +633,9 @@ def test_an_attach_that_fails_with_rank0_silent_keeps_the_new_draft_actor(fake_r
     actor and connects the new rank 0 to it, and the supervisor's next try finds nothing
     to do; if rank 0 was only slow, the next try attaches the kept actor. Neither loads
     a second one (the old code ended the loaded actor, and the next try loaded another)."""
-    from workers.group import EngineGroup, GroupConfig
-
     log: list = []
-    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
-    old = _Actor("old-draft", log)
-    group.draft, group.ranks = old, [_DeadRank("rank0", log)]
-    new = _Actor("new-draft", log)
-    _replacing(group, new, log, fail="did not attach")
-    with pytest.raises(EngineStartError, match="does not answer"):
-        group.replace_draft()
-    assert group.draft is new and fake_ray == [old] and ("rank0", "ping") in log
+    group, new = _kept_after_a_silent_attach(log)
+    assert [a.name for a in fake_ray] == ["old-draft"] and ("rank0", "ping") in log
     load = ("wait", "the draft actor did not load")
     assert log.count(load) == 1
     if then == "ranks-restarted":  # the supervisor's probe found rank 0 dead
@@ -639,7 +647,7 @@ def test_an_attach_that_fails_with_rank0_silent_keeps_the_new_draft_actor(fake_r
 
         group._start_ranks = start_ranks
         assert group.restart_ranks() is True
-        assert started == [True] and ("new-draft", "reset") in log
+        assert started == [True] and ("kept", "reset") in log
     else:  # it was only slow: it answers again
         group.ranks = [_Actor("rank0-again", log)]
     _replacing(group, _Actor("unused", log), log)  # the next try's load, were it made
@@ -657,16 +665,9 @@ def test_a_give_up_ends_a_kept_actor_that_rank0_never_attached(fake_ray):
     recorded, it held its bundle and the restart connected the new rank 0 to it, while
     the replica reported no speculation for good. The actor rank 0 drafts with is not
     ended."""
-    from workers.group import EngineGroup, GroupConfig
-
     log: list = []
-    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
-    group.draft, group.ranks = _Actor("old-draft", log), [_DeadRank("rank0", log)]
-    kept = _Actor("kept", log)
-    _replacing(group, kept, log, fail="did not attach")
-    with pytest.raises(EngineStartError, match="does not answer"):
-        group.replace_draft()
-    assert group.draft is kept and group._attach_owed and kept not in fake_ray
+    group, kept = _kept_after_a_silent_attach(log)
+    assert kept not in fake_ray
     group.abandon_draft()
     assert group.draft is None and not group._attach_owed and kept in fake_ray
     started = []
@@ -691,15 +692,8 @@ def test_a_give_up_ends_the_kept_actor_a_gang_restart_connected_meanwhile(fake_r
     left it: the replica drafted with it while reporting no speculation for good. The
     owed attach marks it as the last try's: it is ended (rank 0's requests then decode
     plainly, as the give-up says)."""
-    from workers.group import EngineGroup, GroupConfig
-
     log: list = []
-    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
-    group.draft, group.ranks = _Actor("old-draft", log), [_DeadRank("rank0", log)]
-    kept = _Actor("kept", log)
-    _replacing(group, kept, log, fail="did not attach")
-    with pytest.raises(EngineStartError, match="does not answer"):
-        group.replace_draft()
+    group, kept = _kept_after_a_silent_attach(log)
     group._start_ranks = lambda draft_alive=True: setattr(
         group, "ranks", [_Actor("new-rank0", log)]
     )
@@ -713,16 +707,8 @@ def test_an_owed_attach_of_a_kept_actor_that_died_loads_a_new_one(fake_ray):
     """EngineGroup.replace_draft: the next try after an owed attach asks the kept actor
     first; one that died since (its status fails) is ended and replaced by a new load,
     not attached (rank 0 would take a dead actor and decode without drafts)."""
-    from workers.group import EngineGroup, GroupConfig
-
     log: list = []
-    group = EngineGroup(GroupConfig(verifier_dir="v", draft_dir="d"))
-    group.draft, group.ranks = _Actor("old-draft", log), [_DeadRank("rank0", log)]
-    kept = _Actor("kept", log)
-    _replacing(group, kept, log, fail="did not attach")
-    with pytest.raises(EngineStartError, match="does not answer"):
-        group.replace_draft()
-    assert group.draft is kept and group._attach_owed
+    group, _ = _kept_after_a_silent_attach(log)
     group.draft = dead = _DeadRank("kept-dead", log)  # the kept actor died since
     group.ranks = [_Actor("rank0-again", log)]
     fresh = _Actor("fresh", log)
