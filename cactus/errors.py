@@ -37,6 +37,12 @@ class StaleBlockError(CactusError):
     """A draft block refers to an old committed length (epoch) or was already applied."""
 
 
+class DraftRetryError(CactusError):
+    """The batched draft forward failed (a device error on the draft side) and left the
+    row's draft session as it was before it: the row decodes this step without drafts
+    and drafts again at the next (the engine bounds how often, workers/engine.py)."""
+
+
 class WorkerUnavailableError(CactusError):
     """A draft actor or verifier rank is down or draining."""
 

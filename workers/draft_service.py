@@ -17,7 +17,9 @@ ProposeBatch carries every row of an engine step: rows are checked one by one (a
 row gets its own error and fails alone: a stale epoch, a bad commit, a block past its
 row's room), then the good ones are drafted in one batched pass. Every reply stays under
 max_reply_bytes: a block that would take it past fails alone (RESOURCE_EXHAUSTED), never
-the whole call. Model work runs inline on the event loop, which also serialises access to
+the whole call. A batched forward that raises (a device error) puts its rows back as they
+were and answers each ABORTED: rank 0 decodes them one step without drafts and proposes
+them again at the next. Model work runs inline on the event loop, which also serialises access to
 the model (dropping the thread hop per call saved 0.3-1.4 ms a step in make
 bench-distributed; other RPCs wait at most one propose or one prefill chunk).
 """
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from cactus.errors import WorkerUnavailableError
+from cactus.errors import DraftRetryError, WorkerUnavailableError
 from cactus.params import MAX_DRAFT_TOKENS, SamplingParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
@@ -200,7 +202,14 @@ class DraftServicer(pb_grpc.SpeculationServicer):
             for (i, session), block in zip(ready, blocks, strict=True):
                 result = reply.rows[i]
                 if isinstance(block, Exception):
-                    result.error.code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+                    # a failed batched forward left the session as it was: ABORTED, which
+                    # rank 0 retries at the next step; any other row error ends its drafts
+                    code = (
+                        grpc.StatusCode.ABORTED
+                        if isinstance(block, DraftRetryError)
+                        else grpc.StatusCode.FAILED_PRECONDITION
+                    )
+                    result.error.code = code.value[0]
                     result.error.message = str(block)
                     used += result.ByteSize() + _ROW_OVERHEAD
                     continue

@@ -36,6 +36,7 @@ import torch
 from cactus.detokenize import encode_prompt
 from cactus.errors import (
     CONTEXT_LENGTH_EXCEEDED,
+    DraftRetryError,
     InvalidRequestError,
     ModelOutputError,
     RequestCancelledError,
@@ -59,7 +60,11 @@ from workers.scheduler import Scheduler, SchedulerConfig
 
 # A drafter's usual failures (logged without a traceback). Any error a drafter raises
 # costs the request its drafts only (it goes on by plain decoding), never the batch.
-DRAFTER_FAILURES = (StaleBlockError, WorkerUnavailableError)
+DRAFTER_FAILURES = (DraftRetryError, StaleBlockError, WorkerUnavailableError)
+# A failed batched draft forward (DraftRetryError: the draft side put the row back) costs
+# the row that step's drafts; the request drafts again from the next step, this many times
+# at most, then goes on by plain decoding (a device that keeps failing).
+MAX_DRAFT_RETRIES = 3
 NON_FINITE = (
     "the verifier's logits for this request were not finite (NaN or inf): the model "
     "overflowed in its dtype; float32 may avoid it"
@@ -461,10 +466,17 @@ class SpeculativeEngine:
             out = [err] * len(rows)
         by_id = {s.id: s for s in running}
         for row, block in zip(rows, out, strict=True):
+            state = by_id[row.request_id]
             if isinstance(block, DraftBlock):
                 blocks[row.request_id] = block
+            elif isinstance(block, DraftRetryError) and state.draft_retries < MAX_DRAFT_RETRIES:
+                state.draft_retries += 1
+                state.stats.draft_failures += 1  # (a step without drafts: `degraded`)
+                log.warning(
+                    "request %s: no drafts this step, again at the next: %s", row.request_id, block
+                )
             else:
-                self._drafter_failed(by_id[row.request_id], block, traced=traced)
+                self._drafter_failed(state, block, traced=traced)
         ks = [k if s.id in blocks else 0 for s, k in zip(running, ks, strict=True)]
         return ks, blocks
 

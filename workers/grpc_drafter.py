@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cactus.errors import CactusError, StaleBlockError, WorkerUnavailableError
+from cactus.errors import CactusError, DraftRetryError, StaleBlockError, WorkerUnavailableError
 from cactus.params import SamplingParams
 from protos.cactus.internal.v1 import speculation_pb2 as pb
 from protos.cactus.internal.v1 import speculation_pb2_grpc as pb_grpc
@@ -426,6 +426,8 @@ class GrpcDrafter:
             message = f"draft actor: {code.name}: {result.error.message}"
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 return StaleBlockError(message)
+            if code == grpc.StatusCode.ABORTED:  # the session is intact: draft it again
+                return DraftRetryError(message)
             return WorkerUnavailableError(message)
         try:
             block = self.check(result.block, row.request_id, row.k)

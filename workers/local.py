@@ -7,17 +7,20 @@ row's length drops and the rejected slots are overwritten by the next forward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from cactus.errors import StaleBlockError, WorkerUnavailableError
+from cactus.errors import CactusError, DraftRetryError, StaleBlockError, WorkerUnavailableError
 from cactus.params import SamplingParams
 from kernels import inverse_cdf_sample
 from workers.batch_runner import BatchRunner, CapacityError
 from workers.batching import padded_uniforms, processed_rows
 from workers.interfaces import DraftBlock, ProposeRow
+
+log = logging.getLogger("cactus.engine")
 
 # Draft prefill chunk: the draft actor yields to other calls between chunks, and the
 # in-process drafter prefills in the same chunks, so both compute the same draft cache
@@ -202,9 +205,37 @@ class LocalDrafter:
             else:
                 live.append(i)
         if live:
-            for i, block in zip(live, self._draft([rows[i] for i in live]), strict=True):
+            for i, block in zip(live, self._drafted([rows[i] for i in live]), strict=True):
                 out[i] = block
         return out
+
+    def _drafted(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
+        """`_draft`, and if it raises (a device error in a batched forward), each row's
+        DraftRetryError with the row as it was before: its cache rolled back to the
+        length it had (the K forwards append the pending tokens and drafts), its pending
+        tokens and commits untouched, so a commit of that step's token (k = 0) and the
+        next propose go on as after any plain step. A row that cannot be put back fails
+        for good (StaleBlockError: its session must not draft on a wrong cache)."""
+        lengths = [self.runner.length(r.request_id) for r in rows]
+        pending = [self._reqs[r.request_id].pending for r in rows]
+        try:
+            return self._draft(rows)
+        except Exception as err:
+            log.warning("the batched draft forward failed for %d rows", len(rows), exc_info=err)
+            out: list[DraftBlock | CactusError] = []
+            for row, length, feed in zip(rows, lengths, pending, strict=True):
+                rid = row.request_id
+                try:
+                    extra = self.runner.length(rid) - length
+                    if extra:
+                        self.runner.rollback(rid, extra)
+                    self._reqs[rid].pending, self._reqs[rid].drafted = feed, []
+                except Exception as fail:
+                    log.exception("request %s: its draft row could not be rolled back", rid)
+                    out.append(StaleBlockError(f"{rid}: draft row lost ({fail})"))
+                    continue
+                out.append(DraftRetryError(f"{rid}: the batched draft forward failed: {err}"))
+            return out
 
     @staticmethod
     def _checked(block: DraftBlock, finite: bool) -> DraftBlock | StaleBlockError:

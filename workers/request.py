@@ -62,6 +62,7 @@ class SpecStats:
     # max_divergence_nats was reached: every later step verifies with delta = 0
     divergence_capped: bool = False
     draft_failures: int = 0  # the drafter failed; the request went on without drafts
+    # (for good, or for one step when a batched draft forward failed and was put back)
     resumed: int = 0  # times the request was resumed on a rebuilt engine (supervisor)
     draft_s: float = 0.0  # time of the steps' draft passes this request took part in
     verify_s: float = 0.0
@@ -210,6 +211,7 @@ class RequestState:
         # re-opened on a new drafter and not yet drafted from: decodes plainly while the
         # drafter prefills its context, rather than the step waiting for that
         self.draft_reopening = False
+        self.draft_retries = 0  # steps whose batched draft forward failed (engine.py)
         self.group = group_of(request.speculation)  # acceptance group (workers/policy.py)
         self.planned_k: int | None = None  # k chosen for the next step
         self.expected_tokens = 1.0  # the policy's expectation of that step's tokens

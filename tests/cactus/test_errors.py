@@ -33,6 +33,7 @@ def _instances() -> dict[str, BaseException]:
         errors.InvalidRequestError("max_tokens", "must be >= 1, got 0"),
         errors.RequestCancelledError("cancelled"),
         errors.StaleBlockError("epoch 3, expected 4"),
+        errors.DraftRetryError("r1: the batched draft forward failed"),
         errors.WorkerUnavailableError("draft actor: UNAVAILABLE"),
         errors.EngineFailedError("rank 1 died"),
         errors.EngineStartError("the draft actor did not load within ..."),

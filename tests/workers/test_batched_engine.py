@@ -330,6 +330,97 @@ def test_dead_drafter_degrades_every_row_without_losing_a_token(
     assert embedded_engine.drafter.runner.num_sequences == 0
 
 
+def _failing_draft_forwards(monkeypatch, runner, failing):
+    """Make the draft runner's draft forwards (logits "last") number `failing(n)` raise
+    a device error; returns the list the forwards are counted in."""
+    real = runner.forward
+    calls = []
+
+    def forward(seq_ids, token_ids, **kw):
+        if kw.get("logits") == "last":
+            calls.append(len(seq_ids))
+            if failing(len(calls)):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(seq_ids, token_ids, **kw)
+
+    monkeypatch.setattr(runner, "forward", forward)
+    return calls
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_failed_batched_draft_forward_costs_its_rows_that_steps_drafts_only(
+    embedded_engine, heldout_prompts, monkeypatch, persistent
+):
+    """A device error in the batched draft forward (the second forward of the second
+    step: the first had appended the pending tokens) made the in-process drafter's
+    propose raise, and every row of it went on without drafts for good (over the wire
+    the same: the draft actor answered UNKNOWN). Now the drafter puts the rows back and
+    each decodes that step plainly and drafts again at the next; a forward that keeps
+    failing ends drafting after MAX_DRAFT_RETRIES steps. Greedy: the verifier's tokens
+    throughout."""
+    from workers.engine import MAX_DRAFT_RETRIES
+
+    reqs = [_req(heldout_prompts[i], f"fail{i}", temperature=0.0, max_tokens=40) for i in range(3)]
+    solo = {r.request_id: embedded_engine.generate(r) for r in reqs}
+    calls = _failing_draft_forwards(
+        monkeypatch,
+        embedded_engine.drafter.runner,
+        (lambda n: n >= 6) if persistent else (lambda n: n == 6),
+    )
+    out = _run_together(_sharing(embedded_engine), reqs)
+    assert calls[5] == 3  # the failed forward had every row
+    for r in reqs:
+        got = _result(out[r.request_id])
+        assert got.token_ids == solo[r.request_id].token_ids, r.request_id
+        if persistent:  # step 1 drafted; steps 2-4 retried; step 5 gave up
+            assert got.stats.draft_failures == MAX_DRAFT_RETRIES + 1
+            assert got.stats.num_drafts == 1
+        else:
+            assert got.stats.draft_failures == 1 and got.stats.degraded
+            assert got.stats.num_drafts >= 4, got.stats  # it drafted again
+            # as many accepted drafts as solo, give or take a step's worth
+            assert got.stats.num_accepted_tokens >= solo[r.request_id].stats.num_accepted_tokens - 8
+    assert embedded_engine.drafter.runner.num_sequences == 0
+    assert not embedded_engine.has_work()
+
+
+def test_a_failed_draft_forward_puts_the_rows_back_as_they_were(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """After the failed forward (its second: the first had appended the rows' pending
+    tokens to the draft cache) and a plain step's commit, a row drafts from exactly the
+    cache a fresh session of the same text has: the first draft token's q is the same.
+    Without the roll-back the cache held the pending token twice."""
+    from cactus.errors import DraftRetryError
+    from workers.interfaces import ProposeRow
+
+    drafter = embedded_engine.drafter
+    tok = embedded_engine.tokenizer
+    texts = [tok.encode(p, add_special_tokens=False)[:40] for p in heldout_prompts[:2]]
+    sampling = SamplingParams(max_tokens=16, temperature=0.8)
+    for i, ids in enumerate(texts):
+        drafter.start(f"put{i}", ids, sampling, 10 + i)
+    rows = [ProposeRow("put0", 4), ProposeRow("put1", 4)]
+    try:
+        with monkeypatch.context() as patch:
+            _failing_draft_forwards(patch, drafter.runner, lambda n: n == 2)
+            failed = drafter.propose(rows)
+        assert all(isinstance(b, DraftRetryError) for b in failed), failed
+        nexts = [11, 12]
+        for i, ids in enumerate(texts):
+            drafter.commit(f"put{i}", len(ids), 0, nexts[i])
+            drafter.start(f"fresh{i}", [*ids, nexts[i]], sampling, 20 + i)
+        again = drafter.propose(rows)
+        fresh = drafter.propose([ProposeRow("fresh0", 4), ProposeRow("fresh1", 4)])
+        for a, f in zip(again, fresh, strict=True):
+            assert a.epoch == f.epoch
+            torch.testing.assert_close(a.probs[0], f.probs[0], atol=1e-4, rtol=0)
+    finally:
+        for rid in ("put0", "put1", "fresh0", "fresh1"):
+            drafter.release(rid)
+    assert drafter.runner.num_sequences == 0
+
+
 def test_a_draft_model_with_a_shorter_context_caps_drafting_not_the_requests(
     tiny_checkpoints, tiny_tokenizer, tmp_path
 ):

@@ -485,3 +485,68 @@ def test_rows_reopened_on_a_new_draft_actor_decode_while_it_prefills(
         result = out[r.request_id][-1].result
         assert result.token_ids == solo[r.request_id]
         assert result.stats.draft_failures == 0
+
+
+def test_a_failed_batched_forward_on_the_draft_actor_costs_one_steps_drafts(
+    embedded_engine, heldout_prompts
+):
+    """A device error in the draft actor's batched forward failed the whole ProposeBatch
+    (UNKNOWN), and rank 0 took every row of it off drafting for good. Now the draft side
+    puts the rows back and answers each ABORTED; rank 0 decodes them plainly for that
+    step and proposes them again at the next, over the same sessions. Greedy: the
+    verifier's tokens."""
+    from cactus.params import GenerationRequest, SpeculationParams
+    from tests.conftest import embedded_dirs
+    from workers.engine import SpeculativeEngine
+    from workers.scheduler import SchedulerConfig
+
+    _, draft_dir = embedded_dirs()
+    runner = BatchRunner(draft_dir, max_num_seqs=4)
+    real, draft_forwards = runner.forward, []
+
+    def forward(seq_ids, token_ids, **kw):
+        if kw.get("logits") == "last":
+            draft_forwards.append(len(seq_ids))
+            if len(draft_forwards) == 6:  # step 2's second forward
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(seq_ids, token_ids, **kw)
+
+    runner.forward = forward
+    servicer = DraftServicer(LocalDrafter(runner))
+    reqs = [
+        GenerationRequest(
+            prompt=heldout_prompts[i],
+            request_id=f"abort{i}",
+            sampling=SamplingParams(max_tokens=40, temperature=0.0),
+            speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
+        )
+        for i in range(2)
+    ]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    with _serving(servicer) as address:
+        drafter = GrpcDrafter(address, vocab_size=embedded_engine.verifier.vocab_size)
+        engine = SpeculativeEngine(
+            drafter,
+            embedded_engine.verifier,
+            embedded_engine.tokenizer,
+            scheduler=SchedulerConfig(policy="fixed"),
+        )
+        out: dict = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            engine.add_request(r, out[r.request_id].append)
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            assert steps < 500
+        until = time.monotonic() + 10  # the Closes travel on the session lane
+        while servicer.sessions and time.monotonic() < until:
+            time.sleep(0.01)
+        drafter.close()
+    assert draft_forwards[5] == 2  # the failed forward had both rows
+    for r in reqs:
+        result = out[r.request_id][-1].result
+        assert result.token_ids == solo[r.request_id]
+        assert result.stats.draft_failures == 1
+        assert result.stats.num_drafts >= 4, result.stats  # it drafted again
+    assert not servicer.sessions and runner.num_sequences == 0
