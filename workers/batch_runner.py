@@ -69,7 +69,9 @@ class _Step:
     r1: int
     rows: torch.Tensor  # [N] long: buffer row of each real new token
     slots: torch.Tensor  # [N] long: its slot (= its position)
-    valid: torch.Tensor  # [B, Q] bool: query t of row b is a real token
+    b: torch.Tensor  # [N] long: its row in the forward's batch (rows - r0)
+    q: torch.Tensor  # [N] long: its query index in that row
+    valid: torch.Tensor  # [B, Q] bool, on the host: query t of row b is a real token
     kv_len: int  # slots [0, kv_len) are visible to this forward
     run: tuple[int, int] | None = None  # B == 1: (first slot, count), written as a slice
 
@@ -101,9 +103,11 @@ class _RowLayer(CacheLayerMixin):
             start, n = step.run
             self.keys[step.r0, :, start : start + n] = key_states[0, :, :n]
             self.values[step.r0, :, start : start + n] = value_states[0, :, :n]
-        else:  # only real tokens: [B, Q, H, D][valid] -> [N, H, D] at (row, :, slot)
-            self.keys[step.rows, :, step.slots] = key_states.transpose(1, 2)[step.valid]
-            self.values[step.rows, :, step.slots] = value_states.transpose(1, 2)[step.valid]
+        else:  # only real tokens: [B, H, Q, D] at (b, :, q) -> [N, H, D] at (row, :, slot)
+            # (integer indices made on the host: a boolean mask here made a GPU wait for
+            # its count of true values, twice a layer)
+            self.keys[step.rows, :, step.slots] = key_states[step.b, :, step.q]
+            self.values[step.rows, :, step.slots] = value_states[step.b, :, step.q]
         rows = slice(step.r0, step.r1)
         return self.keys[rows, :, : step.kv_len], self.values[rows, :, : step.kv_len]
 
@@ -301,6 +305,19 @@ class BatchRunner(LoadedModel):
         self._cache.longest = max(self._lens, default=0)
         return True
 
+    @torch.inference_mode()
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Roll the sequence back to `length` tokens and zero every slot past it that it
+        wrote: after a forward that failed part way (a device error), whose writes there
+        may be anything, NaN included (the module's docstring says why that matters)."""
+        row = self._row[seq_id]
+        if not 0 <= length <= self._lens[row]:
+            raise ValueError(f"length: cannot truncate {self._lens[row]} tokens to {length}")
+        self._lens[row] = length
+        self._cache.clear(row, length, self._high[row])
+        self._high[row] = length
+        self._cache.longest = max(self._lens)
+
     def rollback(self, seq_id: str, num_tokens: int) -> None:
         """Forget the last `num_tokens` tokens (bookkeeping only; their slots get overwritten)."""
         row = self._row[seq_id]
@@ -335,17 +352,23 @@ class BatchRunner(LoadedModel):
         for row, toks in zip(rows, token_ids, strict=True):
             counts[row - r0], padded[row - r0] = len(toks), list(toks)
         width = max(counts)
-        ids = torch.tensor([p + [0] * (width - len(p)) for p in padded], device=self.device)
-        n = torch.tensor(counts, device=self.device)  # [B]
-        lens = torch.tensor(self._lens[r0:r1], device=self.device)  # [B]
+        # The plan is made on the host and goes to the device in one copy: the step's
+        # data-dependent sizes (which queries are real) are known here, so neither the
+        # cache writes nor the logits' selection wait for the device to count them.
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in padded])  # [B, Q]
+        n = torch.tensor(counts)  # [B]
+        lens = torch.tensor(self._lens[r0:r1])  # [B]
         kv_len = max(self._lens[r] + len(t) for r, t in zip(rows, token_ids, strict=True) if t)
-        t = torch.arange(width, device=self.device)  # [Q]
+        t = torch.arange(width)  # [Q]
         # Padding queries and idle rows get a clamped position so nothing exceeds kv_len.
         pos = (lens[:, None] + t).clamp(max=kv_len - 1)  # [B, Q]
         valid = t[None, :] < n[:, None]  # [B, Q]
-        row_of = torch.arange(r0, r1, device=self.device)[:, None].expand_as(pos)
+        b, q = valid.nonzero(as_tuple=True)  # [N] each
+        parts = (ids.flatten(), pos.flatten(), b + r0, pos[b, q], b, q)
+        on_device = torch.cat(parts).to(self.device).split([len(x) for x in parts])
+        ids, pos = on_device[0].view(ids.shape), on_device[1].view(pos.shape)
         run = (self._lens[r0], counts[0]) if r1 - r0 == 1 else None
-        step = _Step(r0, r1, row_of[valid], pos[valid], valid, kv_len, run)
+        step = _Step(r0, r1, *on_device[2:], valid, kv_len, run)
         return step, ids, pos
 
     def _attention_mask(self, pos: torch.Tensor, kv_len: int):
@@ -367,7 +390,7 @@ class BatchRunner(LoadedModel):
 
     @staticmethod
     def _keep(step: _Step, logits: str) -> torch.Tensor:
-        """Bool [B, Q]: positions that go through the LM head."""
+        """Bool [B, Q], on the host: positions that go through the LM head."""
         if logits == "all":
             return step.valid
         keep = torch.zeros_like(step.valid)
@@ -441,7 +464,7 @@ class BatchRunner(LoadedModel):
         keep = self._keep(step, logits)  # [B, Q]
         # The LM head sees only the positions some row needs: a 1-D index keeps the
         # hidden states 3-D [B, C, H], which DeepSpeed's sharded LM head requires.
-        cols = keep.any(0).nonzero().flatten()  # [C]
+        cols = keep.any(0).nonzero().flatten()  # [C], on the host
         self._cache.step = step
         try:
             out = self.model(
@@ -450,7 +473,7 @@ class BatchRunner(LoadedModel):
                 position_ids=pos,
                 cache=self._cache,
                 use_cache=True,
-                logits_to_keep=cols if len(cols) else 1,
+                logits_to_keep=cols.to(self.device) if len(cols) else 1,
             )
         finally:
             self._cache.step = None

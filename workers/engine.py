@@ -619,6 +619,7 @@ class SpeculativeEngine:
                 continue
             state.drafting = True
             state.draft_epoch += 1
+            state.draft_retries = 0  # a new actor: its own failed forwards count anew
             self._open_draft(state)
             # a row still prefilling its prompt here waits for its Open as a new one
             state.draft_reopening = state.drafting and state in self.scheduler.running

@@ -55,7 +55,9 @@ class Drafter(Protocol):
     def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
         """Draft every row in one batched pass (K forwards for the longest row). A row
         that failed gets its error (StaleBlockError, WorkerUnavailableError) in place of
-        a block: one bad row degrades that request only."""
+        a block: one bad row degrades that request only. DraftRetryError: the batched
+        forward failed and the row was put back; commit that step's token (k = 0) and it
+        may be proposed again."""
 
     def commit(self, request_id: str, epoch: int, num_accepted: int, next_token: int) -> None:
         """Keep the first num_accepted drafted tokens, then next_token; drop the rest."""

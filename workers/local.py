@@ -181,7 +181,7 @@ class LocalDrafter:
         req = self._reqs[request_id]
         return req.reserve - self.runner.length(request_id) - len(req.pending) + 1
 
-    def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | StaleBlockError]:
+    def propose(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
         out: list = [None] * len(rows)
         live = []
         for i, row in enumerate(rows):
@@ -211,11 +211,13 @@ class LocalDrafter:
 
     def _drafted(self, rows: Sequence[ProposeRow]) -> list[DraftBlock | CactusError]:
         """`_draft`, and if it raises (a device error in a batched forward), each row's
-        DraftRetryError with the row as it was before: its cache rolled back to the
-        length it had (the K forwards append the pending tokens and drafts), its pending
-        tokens and commits untouched, so a commit of that step's token (k = 0) and the
-        next propose go on as after any plain step. A row that cannot be put back fails
-        for good (StaleBlockError: its session must not draft on a wrong cache)."""
+        DraftRetryError with the row put back: its cache truncated to the length it had
+        (the K forwards append the pending tokens and drafts; the failed one's writes
+        past it are zeroed), its pending tokens and commits untouched, so a commit of
+        that step's token (k = 0) and the next propose go on as after any plain step
+        (its sampler has drawn on: the next drafts are not those the failed step would
+        have made). A row that cannot be put back fails for good (StaleBlockError: its
+        session must not draft on a wrong cache)."""
         lengths = [self.runner.length(r.request_id) for r in rows]
         pending = [self._reqs[r.request_id].pending for r in rows]
         try:
@@ -226,9 +228,7 @@ class LocalDrafter:
             for row, length, feed in zip(rows, lengths, pending, strict=True):
                 rid = row.request_id
                 try:
-                    extra = self.runner.length(rid) - length
-                    if extra:
-                        self.runner.rollback(rid, extra)
+                    self.runner.truncate(rid, length)
                     self._reqs[rid].pending, self._reqs[rid].drafted = feed, []
                 except Exception as fail:
                     log.exception("request %s: its draft row could not be rolled back", rid)

@@ -386,3 +386,85 @@ def test_a_forward_computes_its_rows_not_the_idle_rows_between_them(tiny_checkpo
     assert check(["s0", "s4", "s7"], [toks(1), toks(1), toks(1)], mode="last") == [(8, 1)]
     for s in seqs:
         assert bat.length(s) == ref.length(s)
+
+
+# ops that make a GPU stream wait for the host to read a result: a value read back
+# (`item`, `tolist`), an output whose size depends on the data, and (below) indexing by
+# a boolean mask, which counts the mask's true values first
+_READS_BACK = frozenset({"aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense"})
+_INDEXING = frozenset(
+    {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
+)
+
+
+class _HostWaits:
+    """Records, inside a TorchDispatchMode (`mode`), the ops that wait for the device."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name
+                if name in _READS_BACK:
+                    seen.append(name)
+                elif name in _INDEXING and any(
+                    isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                    for i in (args[1] if len(args) > 1 else None) or ()
+                ):
+                    seen.append(f"{name} by a mask")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode
+
+
+def test_a_batched_forward_never_waits_for_the_device_inside_the_model(tiny_checkpoints):
+    """The cache writes selected a step's real tokens with a boolean mask, twice a layer:
+    on a GPU each waited for the device to count the mask's true values (the CUDA path has
+    never run on a GPU here, so this is checked by the ops). The step's plan (which
+    queries are real, their rows and slots) is now made on the host and the model call
+    indexes with integers: no op in it reads the device back. Checked for a ragged decode
+    step, a ragged prefill, and one row; logits as before (the other tests here)."""
+    bat = BatchRunner(tiny_checkpoints["llama"], max_num_seqs=3)
+    for s in "abc":
+        bat.start(s, 64)
+    waits = _HostWaits()
+    real_forward = bat.model.forward
+
+    def recorded(*args, **kwargs):
+        with waits.mode():
+            return real_forward(*args, **kwargs)
+
+    bat.model.forward = recorded
+    try:
+        bat.forward(["a", "b", "c"], [[1, 2, 3, 4, 5], [6, 7], [8]], logits="none")
+        bat.forward(["a", "b", "c"], [[9, 10, 11], [12], [13, 14]], logits="all")
+        bat.forward(["a", "c"], [[15], [16, 17, 18, 19, 20]], logits="last")
+        bat.forward(["b"], [[21, 22]], logits="last")
+    finally:
+        del bat.model.forward
+    assert waits.seen == [], sorted(set(waits.seen))
+
+
+def test_truncate_zeroes_what_the_row_wrote_past_the_length(tiny_checkpoints):
+    """After a forward that failed part way (LocalDrafter puts its rows back so), the
+    row's slots past the kept length are zeros, not whatever the failed call wrote (a
+    NaN there would reach the row's attention), and the row goes on as a recompute."""
+    bat = BatchRunner(tiny_checkpoints["llama"], max_num_seqs=2)
+    bat.start("a", 64)
+    bat.start("b", 64)
+    bat.forward(["a", "b"], [[1, 2, 3, 4, 5, 6, 7], [8, 9]], logits="none")
+    row = bat._row["a"]
+    with torch.inference_mode():
+        for layer in bat._cache.layers:  # what a failed call may leave
+            layer.keys[row, :, 3:7] = float("nan")
+    bat.truncate("a", 3)
+    assert bat.length("a") == 3 and bat.length("b") == 2
+    for layer in bat._cache.layers:
+        assert not layer.keys[row, :, 3:].any() and not layer.values[row, :, 3:].any()
+    (got,) = bat.forward(["a"], [[10, 11]], logits="all")
+    _assert_close(got, _full_logits(bat.model, [1, 2, 3, 10, 11])[-2:], "after truncate")
+    with pytest.raises(ValueError, match="length"):
+        bat.truncate("a", 6)

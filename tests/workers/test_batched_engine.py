@@ -340,7 +340,7 @@ def _failing_draft_forwards(monkeypatch, runner, failing):
         if kw.get("logits") == "last":
             calls.append(len(seq_ids))
             if failing(len(calls)):
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                raise RuntimeError("CUDA error: out of memory")
         return real(seq_ids, token_ids, **kw)
 
     monkeypatch.setattr(runner, "forward", forward)

@@ -505,10 +505,11 @@ def test_a_failed_batched_forward_on_the_draft_actor_costs_one_steps_drafts(
     real, draft_forwards = runner.forward, []
 
     def forward(seq_ids, token_ids, **kw):
-        if kw.get("logits") == "last":
+        # (a first step may draft a row alone: its Open answered before the other's)
+        if kw.get("logits") == "last" and len(seq_ids) == 2:
             draft_forwards.append(len(seq_ids))
-            if len(draft_forwards) == 6:  # step 2's second forward
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            if len(draft_forwards) == 6:  # both rows' second step, its second forward
+                raise RuntimeError("CUDA error: out of memory")
         return real(seq_ids, token_ids, **kw)
 
     runner.forward = forward
@@ -543,7 +544,7 @@ def test_a_failed_batched_forward_on_the_draft_actor_costs_one_steps_drafts(
         while servicer.sessions and time.monotonic() < until:
             time.sleep(0.01)
         drafter.close()
-    assert draft_forwards[5] == 2  # the failed forward had both rows
+    assert len(draft_forwards) > 6  # both drafted together after the failed forward
     for r in reqs:
         result = out[r.request_id][-1].result
         assert result.token_ids == solo[r.request_id]
