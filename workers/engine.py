@@ -431,9 +431,10 @@ class SpeculativeEngine:
             self.policy.forget(state.id)
 
     def _policy_row(self, state: RequestState, fixed: int | None = None) -> PolicyRow:
-        return PolicyRow(
-            state.id, state.policy_group, state.num_draft_tokens(), state.undrafted, fixed=fixed
-        )
+        # a row re-opening on a new drafter decodes plainly (`_decode`): planned as such,
+        # so the other rows' k are chosen for the batch that runs
+        ceiling = 0 if state.draft_reopening else state.num_draft_tokens()
+        return PolicyRow(state.id, state.policy_group, ceiling, state.undrafted, fixed=fixed)
 
     def _plan(self, states: list[RequestState]) -> None:
         """Choose k for the rows that have none yet; a row with one keeps it (a remote
@@ -601,6 +602,7 @@ class SpeculativeEngine:
     def _start(self, state: RequestState) -> None:
         """A row on each side: the drafter prefills now (a remote one while this side
         prefills the verifier, chunk by chunk, in the next steps)."""
+        self._drafts_ahead(state)
         if state.drafting:
             self._open_draft(state)
         try:
@@ -620,11 +622,24 @@ class SpeculativeEngine:
             state.drafting = True
             state.draft_epoch += 1
             state.draft_retries = 0  # a new actor: its own failed forwards count anew
+            if not self._drafts_ahead(state):
+                continue
             self._open_draft(state)
             # a row still prefilling its prompt here waits for its Open as a new one
             state.draft_reopening = state.drafting and state in self.scheduler.running
             reopened += state.drafting
         return reopened
+
+    @staticmethod
+    def _drafts_ahead(state: RequestState) -> bool:
+        """Whether the request may still draft: one whose every step drafts nothing
+        (max_tokens 1, or one token left of a resumed request: the verifier emits one
+        token more than it accepts) decodes plainly, by design, without a draft session:
+        it would reserve a draft row and prefill its whole prompt on the draft side, in
+        the running rows' way, for nothing."""
+        if state.drafting and state.num_draft_tokens() == 0:
+            state.drafting = False
+        return state.drafting
 
     def _open_draft(self, state: RequestState) -> None:
         context = state.prompt_ids + state.generated

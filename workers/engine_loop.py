@@ -42,12 +42,26 @@ def _final_only(put: Callable) -> Callable:
 
 
 class _Call:
-    """A function to run on the loop's thread (between steps), with its answer box."""
+    """A function to run on the loop's thread (between steps), with its answer box; one
+    whose caller gave up waiting before it started never runs."""
 
     def __init__(self, fn: Callable, done: queue.SimpleQueue) -> None:
         self.fn, self.done = fn, done
+        self._lock = threading.Lock()
+        self._state = "queued"  # -> "running" or "cancelled"
+
+    def cancel(self) -> bool:
+        """Whether it will never run (it had not started)."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "cancelled"
+            return self._state == "cancelled"
 
     def run(self, engine) -> None:
+        with self._lock:
+            if self._state == "cancelled":
+                return
+            self._state = "running"
         try:
             self.done.put((True, self.fn(engine)))
         except BaseException as err:
@@ -111,12 +125,20 @@ class EngineLoop:
         return self._drain(out)
 
     def call(self, fn: Callable, timeout_s: float = 60.0):
-        """Run fn(engine) on the loop's thread between two steps; return its result."""
+        """Run fn(engine) on the loop's thread between two steps; return its result.
+        TimeoutError after timeout_s (a call not started by then never runs)."""
         self._refuse_if_stopped()
         done: queue.SimpleQueue = queue.SimpleQueue()
-        self._inbox.put(_Call(fn, done))
+        call = _Call(fn, done)
+        self._inbox.put(call)
         self._late()
-        ok, value = done.get(timeout=timeout_s)
+        try:
+            ok, value = done.get(timeout=timeout_s)
+        except queue.Empty:
+            ran = "never runs" if call.cancel() else "is still running"
+            raise TimeoutError(
+                f"the engine loop did not answer within {timeout_s} s (the call {ran})"
+            ) from None
         if not ok:
             raise value
         return value

@@ -421,6 +421,88 @@ def test_a_failed_draft_forward_puts_the_rows_back_as_they_were(
     assert drafter.runner.num_sequences == 0
 
 
+def test_a_request_that_can_never_draft_opens_no_draft_session(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """max_tokens 1: every step's draft ceiling is 0 (the verifier emits one token more
+    than it accepts), yet its draft session was opened: a draft row reserved and the
+    whole prompt prefilled on the draft side, in the running rows' way, for nothing. It
+    now decodes plainly from the start, not counted as a draft failure."""
+    reqs = [
+        _req(heldout_prompts[0], "one", temperature=0.0, max_tokens=1),
+        _req(heldout_prompts[1], "many", temperature=0.0, max_tokens=12),
+    ]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    drafter, started = embedded_engine.drafter, []
+    real_start = drafter.start
+
+    def start(request_id, *args, **kw):
+        started.append(request_id)
+        return real_start(request_id, *args, **kw)
+
+    monkeypatch.setattr(drafter, "start", start)
+    out = _run_together(_sharing(embedded_engine), reqs)
+    assert started == ["many"]
+    for r in reqs:
+        assert _result(out[r.request_id]).token_ids == solo[r.request_id], r.request_id
+    one = _result(out["one"]).stats
+    assert one.num_drafts == 0 and one.draft_failures == 0 and not one.degraded
+    assert _result(out["many"]).stats.num_drafts > 0
+    assert drafter.runner.num_sequences == 0
+
+
+class _SlowToReopen:
+    """The same drafter, saying for its first `steps` looks that no row is opened yet (a
+    new draft actor still prefilling the re-opened contexts)."""
+
+    def __init__(self, inner, steps: int) -> None:
+        self._inner, self.looks = inner, steps
+
+    def opened(self, request_id):
+        self.looks -= 1
+        return self.looks < 0 and self._inner.opened(request_id)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_rows_reopening_on_a_new_drafter_are_planned_with_no_drafts(
+    embedded_engine, heldout_prompts, monkeypatch
+):
+    """A row re-opening on a new drafter decodes plainly until that drafter holds its
+    context, but the policy was given its whole ceiling: the step's cap and whether
+    drafting pays were chosen for rows that would not draft. Now it is planned with a
+    ceiling of 0, and with its K again once opened; greedy outputs stay the verifier's."""
+    reqs = [_req(heldout_prompts[i], f"re{i}", temperature=0.0, max_tokens=40) for i in range(2)]
+    solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
+    engine = _sharing(embedded_engine)
+    ceilings = []
+    real_plan = engine.policy.plan
+
+    def plan(rows):
+        ceilings.append({row.request_id: row.ceiling for row in rows})
+        return real_plan(rows)
+
+    monkeypatch.setattr(engine.policy, "plan", plan)
+    out = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r, out[r.request_id].append)
+    for _ in range(3):
+        engine.step()
+    assert engine.attach_drafter(_SlowToReopen(embedded_engine.drafter, steps=6)) == 2
+    planned_from = len(ceilings)
+    reopening = []
+    while engine.has_work():
+        reopening.append(all(s.draft_reopening for s in engine.scheduler.running))
+        engine.step()
+    after = ceilings[planned_from:]
+    assert reopening[0] and after[0] == {"re0": 0, "re1": 0}, after[:3]
+    assert any(c and min(c.values()) == 4 for c in after), after  # drafting again
+    for r in reqs:
+        assert _result(out[r.request_id]).token_ids == solo[r.request_id]
+    assert embedded_engine.drafter.runner.num_sequences == 0
+
+
 def test_a_draft_model_with_a_shorter_context_caps_drafting_not_the_requests(
     tiny_checkpoints, tiny_tokenizer, tmp_path
 ):

@@ -449,3 +449,29 @@ def test_a_submit_that_lands_after_the_loops_last_look_is_answered(embedded_engi
     caller.join(timeout=30)
     assert not caller.is_alive(), "a late caller was left waiting"
     assert len(outcome) == 2 and all(isinstance(e, EngineLoopStopped) for e in outcome)
+
+
+def test_a_call_that_times_out_says_so_and_never_runs_if_not_started(embedded_engine):
+    """loop.call raised a bare queue.Empty (no message) when its wait ran out, and the
+    queued function still ran later. Now: TimeoutError saying so, and a call the loop
+    had not started never runs."""
+    loop = EngineLoop(embedded_engine)
+    busy, release, ran = threading.Event(), threading.Event(), []
+
+    def hold(_engine):
+        busy.set()
+        return release.wait(30)
+
+    try:
+        holder = threading.Thread(target=lambda: loop.call(hold))
+        holder.start()
+        assert busy.wait(30)  # the loop is busy with this one
+        with pytest.raises(TimeoutError, match="never runs"):
+            loop.call(lambda e: ran.append("late"), timeout_s=0.2)
+        release.set()
+        holder.join(30)
+        assert loop.call(lambda e: "after") == "after"
+        assert ran == []
+    finally:
+        release.set()
+        loop.shutdown()
