@@ -622,6 +622,11 @@ class SpeculativeEngine:
             state.drafting = True
             state.draft_epoch += 1
             state.draft_retries = 0  # a new actor: its own failed forwards count anew
+            # the new drafter's context bounds its drafts (`_open_draft` sets it again)
+            state.draft_max_context = getattr(drafter, "max_context", None)
+            # the next step plans again (k chosen for the old drafter's rows, with the
+            # re-opening ones drafting; its prefetched batch is lost with it)
+            state.planned_k = None
             if not self._drafts_ahead(state):
                 continue
             self._open_draft(state)

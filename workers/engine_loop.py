@@ -135,7 +135,7 @@ class EngineLoop:
         try:
             ok, value = done.get(timeout=timeout_s)
         except queue.Empty:
-            ran = "never runs" if call.cancel() else "is still running"
+            ran = "never runs" if call.cancel() else "had started"
             raise TimeoutError(
                 f"the engine loop did not answer within {timeout_s} s (the call {ran})"
             ) from None
