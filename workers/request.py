@@ -306,7 +306,7 @@ class RequestState:
         if self.finish_reason is None and self.committed >= self.max_context:
             self.finish_reason = "LENGTH"
         if self.finish_reason not in (None, "STOP_SEQUENCE"):
-            self.detok.flush()  # a trailing incomplete character, if any
+            self._flush()
         if self.logprobs is not None:
             self._pending_logprobs = self._pending_logprobs[: len(taken)]
             self.logprobs.extend(self._pending_logprobs)
@@ -366,7 +366,16 @@ class RequestState:
 
     def time_limit(self) -> None:
         self.finish_reason = "TIME_LIMIT"
-        self.detok.flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        """At the end: the text the detokenizer held back (characters before a trailing
+        incomplete one, e.g. "X" of a byte-level token " X\xe4") is searched for stop
+        strings too, and one there ends the request as STOP_SEQUENCE (it came before
+        whatever ended the request), cut as always."""
+        flushed = self.detok.flush()
+        if flushed and self._hit_stop_string(len(flushed)):
+            self.finish_reason = "STOP_SEQUENCE"
 
     def result(self) -> GenerationResult:
         if self.first_token_at is not None:

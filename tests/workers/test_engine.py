@@ -103,6 +103,48 @@ def test_stop_string_is_cut_and_never_streamed(embedded_engine, heldout_prompts)
     assert base.token_ids[: len(result.token_ids)] == result.token_ids
 
 
+# 1 = "ab", 2 = "X" + the first byte of "中", 3 = its other two bytes
+_BYTES = {1: b"ab", 2: b"X\xe4", 3: b"\xb8\xad", 4: b"cd"}
+
+
+class _ByteTokenizer:
+    """A byte-level vocabulary as GPT-2's and Qwen's: a token's bytes may end inside a
+    UTF-8 character."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return b"".join(_BYTES.get(t, b"") for t in ids).decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("ending", ["LENGTH", "EOS", "TIME_LIMIT"])
+def test_a_stop_string_in_text_the_detokenizer_held_back_is_still_cut(ending):
+    """ "X" arrives in a token that ends inside a character, so the detokenizer holds it
+    back until the character completes; a request that ended there (max_tokens, EOS, its
+    time limit) flushed that text unsearched, and the stop string "bX" leaked into the
+    text (unary and streamed: "abX\ufffd"). It is now searched at the flush and cut."""
+    req = GenerationRequest(
+        prompt_token_ids=(4, 4),
+        sampling=SamplingParams(max_tokens=2 if ending == "LENGTH" else 8, stop=("bX",)),
+        speculation=SpeculationParams(rule="none"),
+    )
+    state = request_state(req)
+    state.detok._tok = _ByteTokenizer()
+    state.eos = frozenset({9})
+    if ending == "TIME_LIMIT":
+        state.emit([1, 2])
+        assert state.finish_reason is None
+        state.time_limit()
+    else:
+        state.emit([1, 2, 9] if ending == "EOS" else [1, 2])
+    assert state.finish_reason == "STOP_SEQUENCE"
+    assert state.result().text == "a" and state.releasable() == "a"
+    # the character completes: the stop string is found as before (no flush)
+    state = request_state(req)
+    state.detok._tok = _ByteTokenizer()
+    state.emit([1, 2, 3])
+    assert state.finish_reason == "STOP_SEQUENCE" and state.result().text == "a"
+
+
 def test_stop_token_id_and_eos(embedded_engine, heldout_prompts):
     base = embedded_engine.generate(_req(heldout_prompts[4], temperature=0.0, max_tokens=30))
     stop_id = base.token_ids[10]
