@@ -138,6 +138,20 @@ def test_a_stop_string_in_text_the_detokenizer_held_back_is_still_cut(ending):
         state.emit([1, 2, 9] if ending == "EOS" else [1, 2])
     assert state.finish_reason == "STOP_SEQUENCE"
     assert state.result().text == "a" and state.releasable() == "a"
+    # streamed: "b" was held back (it could begin the stop string), so the cut at the
+    # flush never takes back text a chunk already sent
+    state = request_state(req)
+    state.detok._tok = _ByteTokenizer()
+    state.eos = frozenset({9})
+    state.emit([1])
+    assert state.releasable() == "a"
+    if ending == "TIME_LIMIT":
+        state.emit([2])
+        state.time_limit()
+    else:
+        state.emit([2, 9] if ending == "EOS" else [2])
+    assert state.finish_reason == "STOP_SEQUENCE"
+    assert state.releasable() == "" and state.result().text == "a"
     # the character completes: the stop string is found as before (no flush)
     state = request_state(req)
     state.detok._tok = _ByteTokenizer()
