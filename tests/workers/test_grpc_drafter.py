@@ -408,6 +408,34 @@ def test_a_request_released_as_its_open_leaves_frees_its_row_within_a_chunk(tiny
         assert runner.num_sequences == 1
 
 
+def _greedy_pair(prompts, prefix: str, max_tokens: int):
+    """Two greedy cactus requests (K = 4) on the first two prompts."""
+    from cactus.params import GenerationRequest, SpeculationParams
+
+    return [
+        GenerationRequest(
+            prompt=prompts[i],
+            request_id=f"{prefix}{i}",
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
+        )
+        for i in range(2)
+    ]
+
+
+def _rank0_engine(drafter, embedded_engine):
+    """Rank 0's engine in this process: the embedded verifier, `drafter`, policy fixed."""
+    from workers.engine import SpeculativeEngine
+    from workers.scheduler import SchedulerConfig
+
+    return SpeculativeEngine(
+        drafter,
+        embedded_engine.verifier,
+        embedded_engine.tokenizer,
+        scheduler=SchedulerConfig(policy="fixed"),
+    )
+
+
 def test_rows_reopened_on_a_new_draft_actor_decode_while_it_prefills(
     embedded_engine, heldout_prompts
 ):
@@ -417,10 +445,7 @@ def test_rows_reopened_on_a_new_draft_actor_decode_while_it_prefills(
     pace here). The re-opened rows now decode plainly while their Opens run, the steps
     go on, and they draft again once the new actor has their context; greedy outputs
     stay the verifier's."""
-    from cactus.params import GenerationRequest, SpeculationParams
     from tests.conftest import embedded_dirs
-    from workers.engine import SpeculativeEngine
-    from workers.scheduler import SchedulerConfig
 
     _, draft_dir = embedded_dirs()
     vocab = embedded_engine.verifier.vocab_size
@@ -439,23 +464,10 @@ def test_rows_reopened_on_a_new_draft_actor_decode_while_it_prefills(
 
     first = DraftServicer(LocalDrafter(server_runner(0.0)))
     second = DraftServicer(LocalDrafter(server_runner(0.15)), prefill_chunk_tokens=8)
-    reqs = [
-        GenerationRequest(
-            prompt=heldout_prompts[i],
-            request_id=f"g{i}",
-            sampling=SamplingParams(max_tokens=48, temperature=0.0),
-            speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
-        )
-        for i in range(2)
-    ]
+    reqs = _greedy_pair(heldout_prompts, "g", 48)
     solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
     with _serving(first) as address, _serving(second) as new_address:
-        engine = SpeculativeEngine(
-            GrpcDrafter(address, vocab_size=vocab),
-            embedded_engine.verifier,
-            embedded_engine.tokenizer,
-            scheduler=SchedulerConfig(policy="fixed"),
-        )
+        engine = _rank0_engine(GrpcDrafter(address, vocab_size=vocab), embedded_engine)
         out: dict = {r.request_id: [] for r in reqs}
         for r in reqs:
             engine.add_request(r, out[r.request_id].append)
@@ -495,43 +507,27 @@ def test_a_failed_batched_forward_on_the_draft_actor_costs_one_steps_drafts(
     puts the rows back and answers each ABORTED; rank 0 decodes them plainly for that
     step and proposes them again at the next, over the same sessions. Greedy: the
     verifier's tokens."""
-    from cactus.params import GenerationRequest, SpeculationParams
     from tests.conftest import embedded_dirs
-    from workers.engine import SpeculativeEngine
-    from workers.scheduler import SchedulerConfig
 
     _, draft_dir = embedded_dirs()
     runner = BatchRunner(draft_dir, max_num_seqs=4)
-    real, draft_forwards = runner.forward, []
+    real, two_row_forwards = runner.forward, []
 
     def forward(seq_ids, token_ids, **kw):
         # (a first step may draft a row alone: its Open answered before the other's)
         if kw.get("logits") == "last" and len(seq_ids) == 2:
-            draft_forwards.append(len(seq_ids))
-            if len(draft_forwards) == 6:  # both rows' second step, its second forward
+            two_row_forwards.append(1)
+            if len(two_row_forwards) == 6:  # both rows' second step, its second forward
                 raise RuntimeError("CUDA error: out of memory")
         return real(seq_ids, token_ids, **kw)
 
     runner.forward = forward
     servicer = DraftServicer(LocalDrafter(runner))
-    reqs = [
-        GenerationRequest(
-            prompt=heldout_prompts[i],
-            request_id=f"abort{i}",
-            sampling=SamplingParams(max_tokens=40, temperature=0.0),
-            speculation=SpeculationParams(rule="cactus", delta=1.0, num_speculative_tokens=4),
-        )
-        for i in range(2)
-    ]
+    reqs = _greedy_pair(heldout_prompts, "abort", 40)
     solo = {r.request_id: embedded_engine.generate(r).token_ids for r in reqs}
     with _serving(servicer) as address:
         drafter = GrpcDrafter(address, vocab_size=embedded_engine.verifier.vocab_size)
-        engine = SpeculativeEngine(
-            drafter,
-            embedded_engine.verifier,
-            embedded_engine.tokenizer,
-            scheduler=SchedulerConfig(policy="fixed"),
-        )
+        engine = _rank0_engine(drafter, embedded_engine)
         out: dict = {r.request_id: [] for r in reqs}
         for r in reqs:
             engine.add_request(r, out[r.request_id].append)
@@ -544,7 +540,7 @@ def test_a_failed_batched_forward_on_the_draft_actor_costs_one_steps_drafts(
         while servicer.sessions and time.monotonic() < until:
             time.sleep(0.01)
         drafter.close()
-    assert len(draft_forwards) > 6  # both drafted together after the failed forward
+    assert len(two_row_forwards) > 6  # both drafted together after the failed forward
     for r in reqs:
         result = out[r.request_id][-1].result
         assert result.token_ids == solo[r.request_id]
